@@ -1,0 +1,31 @@
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test lint fuzz bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(BIN)/pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/ruff check ninfer tests
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check ninfer tests
+
+# Long fuzzing, not CI: MINUTES=N (default 10).
+MINUTES ?= 10
+fuzz: $(STAMP)
+	$(BIN)/ninfer fuzz stateful --minutes $(MINUTES)
+
+bench: $(STAMP)
+	$(BIN)/ninfer bench lifecycle
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

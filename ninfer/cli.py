@@ -1,0 +1,63 @@
+"""The `ninfer` command: serve | fuzz | bench (more subcommands arrive with their issues)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _fuzz(args: argparse.Namespace) -> int:
+    from .fuzz import run_stateful
+    return run_stateful(minutes=args.minutes, max_examples=args.max_examples, seed=args.seed)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench.lifecycle import main as bench_lifecycle
+    return bench_lifecycle(events=args.events, requests=args.requests, json_path=args.json)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ninfer",
+        description="Inference server for hybrid (Gated DeltaNet + attention) models, with "
+                    "an event journal behind every request.")
+    parser.add_argument("--log-level", default="WARNING",
+                        help="logging level: DEBUG, INFO, WARNING (default), ERROR")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    fuzz = sub.add_parser("fuzz", help="long invariant fuzzing (not CI)")
+    fuzz_sub = fuzz.add_subparsers(dest="target", required=True)
+    stateful = fuzz_sub.add_parser(
+        "stateful", help="run the Hypothesis state machine over the engine with SimModel, "
+                         "with fresh random seeds, until the time is up or a failure")
+    stateful.add_argument("--minutes", type=float, default=10.0,
+                          help="how long to fuzz (default 10)")
+    stateful.add_argument("--max-examples", type=int, default=2_000,
+                          help="examples per round; rounds repeat with new seeds (default 2000)")
+    stateful.add_argument("--seed", type=int, default=None,
+                          help="run one round with this seed (reproduces a reported failure)")
+    stateful.set_defaults(func=_fuzz)
+
+    bench = sub.add_parser("bench", help="benchmarks; print a table and JSON")
+    bench_sub = bench.add_subparsers(dest="target", required=True)
+    lifecycle = bench_sub.add_parser(
+        "lifecycle", help="journal, fold and replay rates; lifecycle + journal cost per request")
+    lifecycle.add_argument("--events", type=int, default=1_000_000,
+                           help="events in the replayed journal (default 1,000,000)")
+    lifecycle.add_argument("--requests", type=int, default=20_000,
+                           help="requests driven through the lifecycle (default 20,000)")
+    lifecycle.add_argument("--json", default=None, help="also write the results to this file")
+    lifecycle.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,538 @@
+"""The engine: the only owner of the lifecycle machine, the store and the journal.
+
+Other threads only enqueue commands (`submit`, `cancel`); `step()` applies them at the
+step boundary, schedules lanes, runs one unit of device work per lane and commits the
+step's events to the journal as one transaction. A step is never torn: a cancel lands
+before or after a step's work, or, through the draft hook, between draft and verify,
+where the round is discarded as a whole.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..lifecycle import events as ev
+from ..lifecycle import machine, planner, salvage
+from ..lifecycle.eventlog import EventLog
+from ..lifecycle.facts import EndpointFacts, Mode
+from ..lifecycle.request import Request, SamplingParams
+from ..lifecycle.salvage import Candidate
+from ..lifecycle.store import ContinuationStore
+from .model import Lane, MissingStatePart, Model
+from .pools import BlockPool, OutOfMemory, SlotPool
+from .runner import Held, ReuseMismatch, Runner
+from .speculative import truncate
+
+log = logging.getLogger("ninfer.engine")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_concurrency: int = 2
+    prefill_chunk: int = 16
+    spec: str = "none"               # none | mtp | ngram
+    draft_tokens: int = 3
+    max_endpoints: int = 16
+    max_context: int = 4096
+    auto_anchors: int = 2            # anchors at up to N of the last message boundaries
+    journal_tokens: bool = True      # journal token ids, not only block hashes
+    check_reuse: bool = False        # compare every restore with a recomputation (tests)
+
+
+@dataclass(frozen=True)
+class Submit:
+    id: str
+    prompt: tuple[int, ...]
+    session: str | None
+    tenant: str
+    params: SamplingParams
+    boundaries: tuple[int, ...] = ()
+    shared_prefix: int = 0
+
+
+@dataclass(frozen=True)
+class Cancel:
+    id: str
+
+
+@dataclass(eq=False)
+class Live:
+    """A request holding a lane."""
+
+    request: Request
+    lane: Lane
+    captures: list[Held] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, model: Model, config: EngineConfig, *, blocks: BlockPool,
+                 slots: SlotPool, journal=None, held: dict[str, Held] | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
+        self.model, self.config = model, config
+        self.blocks, self.slots = blocks, slots
+        self.mode = Mode(config.spec, model.identity, model.dtypes)
+        self.runner = Runner(model, blocks, slots, self.mode)
+        self.store = ContinuationStore()
+        self.journal = journal
+        kwargs = {"clock": clock} if clock else {}
+        self.log = EventLog(self.store, journal, **kwargs)
+        self.held: dict[str, Held] = held if held is not None else {}
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.live: dict[str, Live] = {}
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.draft_hook: Callable[[Request], bool] | None = None
+        self._cp_ids = itertools.count(1)
+        self.steps = 0
+
+    # --- start-up and recovery ---------------------------------------------------------
+
+    def recover(self) -> None:
+        """Fold the journal, close what a crash left open, then announce this server."""
+        open_requests: dict[str, str | None] = {}
+        if self.journal is not None:
+            for event in self.journal.read():
+                self.store.apply(event)
+                if isinstance(event, ev.RequestQueued):
+                    open_requests[event.request] = event.conversation
+                elif event.kind in ev.TERMINAL_KINDS:
+                    open_requests.pop(event.request, None)
+            self.log.seq = self.journal.last_seq
+        for rid, conversation in open_requests.items():
+            self.log.emit(ev.RequestFailed, request=rid, conversation=conversation,
+                          failure="interrupted", message="server stopped before it ended")
+        for endpoint_id, stored in list(self.store.endpoints.items()):
+            cp = stored.facts.checkpoint
+            held = self.held.get(cp.id)
+            reason = None
+            if held is None:
+                reason = "tensors did not survive the restart"
+            else:
+                decision = salvage.materializable(cp, self.mode)
+                reason = None if decision.ok else decision.reason
+            if reason:
+                self.log.emit(ev.EndpointLost, endpoint=endpoint_id, reason=reason)
+        self.log.emit(ev.ServerStarted, mode=self.mode,
+                      max_concurrency=self.config.max_concurrency,
+                      max_endpoints=self.config.max_endpoints,
+                      options={"prefill_chunk": self.config.prefill_chunk,
+                               "draft_tokens": self.config.draft_tokens,
+                               "block_size": self.blocks.block_size})
+        self._reconcile()
+        self.log.flush()
+
+    # --- commands (any thread) ---------------------------------------------------------
+
+    def submit(self, command: Submit) -> None:
+        problem = self.validate(command)
+        if problem:
+            raise ValueError(problem)
+        self.commands.put(command)
+
+    def cancel(self, request_id: str) -> None:
+        self.commands.put(Cancel(request_id))
+
+    def validate(self, c: Submit) -> str | None:
+        if not c.prompt:
+            return "prompt is empty"
+        if any(not 0 <= t < self.model.vocab_size for t in c.prompt):
+            return f"token ids must be in [0, {self.model.vocab_size})"
+        if len(c.prompt) >= self.config.max_context:
+            return f"prompt of {len(c.prompt)} tokens exceeds max_context {self.config.max_context}"
+        if c.params.max_tokens < 1:
+            return "max_tokens must be at least 1"
+        if any(not 0 < b <= len(c.prompt) for b in c.boundaries):
+            return "message boundaries must lie within the prompt"
+        if not 0 <= c.shared_prefix <= len(c.prompt):
+            return "shared_prefix must lie within the prompt"
+        return None
+
+    # --- the step ----------------------------------------------------------------------
+
+    def step(self) -> list[ev.Event]:
+        """One engine step; returns the events it committed."""
+        self.steps += 1
+        self._drain_commands()
+        for live in [x for x in self.live.values() if x.request.state == "Finishable"]:
+            self._guarded(live, self._finish)
+        self._evict_over_capacity()
+        self._schedule()
+        for live in list(self.live.values()):
+            if live.request.id not in self.live:
+                continue  # preempted by another lane's allocation in this step
+            if live.request.state == "Prefilling":
+                self._guarded(live, self._prefill_step)
+            elif live.request.state == "Active":
+                self._guarded(live, self._decode_round)
+        self._reconcile()
+        return self.log.flush()
+
+    def idle(self) -> bool:
+        return not self.live and not self.waiting and self.commands.empty()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, Submit):
+                self._admit(command)
+            else:
+                request = self.requests.get(command.id)
+                if request is not None and request.state not in machine.TERMINAL:
+                    self._cancel(request)
+
+    def _admit(self, c: Submit) -> None:
+        if c.id in self.requests:
+            raise ValueError(f"request id {c.id} is already in use")
+        request = Request(
+            id=c.id, prompt=c.prompt, session=c.session, tenant=c.tenant, log=self.log,
+            mode=self.mode, params=c.params, boundaries=tuple(sorted(set(c.boundaries))),
+            shared_prefix=c.shared_prefix, journal_tokens=self.config.journal_tokens)
+        self.requests[c.id] = request
+        machine.admit(request)
+        self.waiting.append(request)
+
+    def _guarded(self, live: Live, work: Callable[[Live], None]) -> None:
+        """Run a lane's work; a broken state part fails the request, never the engine."""
+        try:
+            work(live)
+        except (MissingStatePart, KeyError, IndexError) as exc:
+            log.error("request %s failed: %s", live.request.id, exc, exc_info=True)
+            self._fail(live.request, "internal", str(exc))
+
+    # --- scheduling --------------------------------------------------------------------
+
+    def _schedule(self) -> None:
+        while self.waiting and len(self.live) < self.config.max_concurrency:
+            if not self._start(self.waiting[0]):
+                return
+            self.waiting.popleft()
+
+    def _start(self, request: Request) -> bool:
+        """Plan and materialize; False (and nothing held) when memory is short now."""
+        if self.slots.free == 0 and not self._evict_one():
+            return False
+        live = Live(request, self.runner.new_lane())
+
+        def usable(endpoint: EndpointFacts) -> str | None:
+            held = self.held.get(endpoint.checkpoint.id)
+            return None if held is not None else "checkpoint tensors are not held"
+
+        request.plan = planner.plan(request.sequence, _hashes(request), request.tenant,
+                                    request.session, self.store, self.mode, usable)
+        try:
+            if request.plan.endpoint is None:
+                self.runner.init_root(live.lane)
+            else:
+                self.runner.restore(self.held[request.plan.endpoint.checkpoint.id], live.lane,
+                                    self.config.check_reuse)
+        except OutOfMemory:
+            self.runner.release_lane(live.lane)
+            return self._evict_one() and self._start(request)
+        request.cursor = request.plan.reuse_base
+        request.salvage_candidates = lambda: self._salvage_candidates(live)
+        self.live[request.id] = live
+        machine.fire(request, "start")
+        return True
+
+    def _free_memory(self, exclude: Live) -> bool:
+        """Evict the least recently used endpoint, else preempt the newest other lane."""
+        if self._evict_one():
+            return True
+        victims = [x for x in self.live.values()
+                   if x is not exclude and x.request.state in ("Prefilling", "Active")]
+        if victims:
+            self._preempt(victims[-1])
+            return True
+        return False
+
+    def _evict_over_capacity(self) -> None:
+        for endpoint_id in self.store.over_capacity():
+            self.log.emit(ev.EndpointEvicted, endpoint=endpoint_id, reason="capacity")
+
+    def _reserve(self, live: Live, attn_upto: int, mtp_upto: int = 0) -> bool:
+        """Blocks for the lane's next work, freeing memory as needed; False if the request
+        was preempted or failed instead."""
+        while True:
+            try:
+                self.runner.reserve(live.lane, attn_upto, mtp_upto)
+                return True
+            except OutOfMemory as exc:
+                if not self._free_memory(live):
+                    self._fail(live.request, "capacity",
+                               f"the KV pool cannot hold this request: {exc}")
+                    return False
+                if live.request.id not in self.live:
+                    return False
+
+    # --- lane work ---------------------------------------------------------------------
+
+    def _prefill_step(self, live: Live) -> None:
+        request, lane = live.request, live.lane
+        seq = request.sequence
+        start = request.cursor
+        end = min(start + self.config.prefill_chunk, request.target)
+        for split in self._checkpoint_positions(request):
+            if start < split < end:
+                end = split
+                break
+        if not self._reserve(live, end, end if self.runner.mtp else 0):
+            return
+        if self.runner.mtp:  # the MTP layer catches up on the chunk the main model committed
+            self.runner.mtp_catch_up(lane, seq, start)
+            for held in live.captures:
+                self.runner.extend(held, lane)
+        if end > start:
+            token = self.runner.prefill(lane, seq, start, end)
+            request.cursor = end
+            request.emit(ev.PrefillAdvanced, cursor=end)
+            self._capture_at(live, end)
+        else:
+            token = None
+        if request.cursor == request.target:
+            first = None
+            if not request.outputs:
+                first = token
+                request.outputs.append(token)
+                request.emit(ev.TokensCommitted, tokens=(token,), frontier=request.cursor)
+            machine.fire(request, "prefilled", first_token=first)
+            self._check_stop(request, None)
+
+    def _checkpoint_positions(self, request: Request) -> list[int]:
+        return sorted(set(self._anchor_positions(request)) | {request.shared_prefix} - {0})
+
+    def _anchor_positions(self, request: Request) -> tuple[int, ...]:
+        n = self.config.auto_anchors
+        return request.boundaries[-n:] if n > 0 else ()
+
+    def _capture_at(self, live: Live, position: int) -> None:
+        request = live.request
+        roles = []
+        if position == request.shared_prefix:
+            roles.append("shared")
+        if position in self._anchor_positions(request):
+            roles.append("anchor")
+        if self.runner.mtp and position < request.target:
+            roles.append("fallback")  # where a cut prefill resumes if the frontier lags
+        for role in roles:
+            if self.slots.free == 0 and not self._evict_one():
+                return
+            tokens = request.sequence[:position]
+            held = self.runner.capture(live.lane, self._next_cp(request), tokens, role)
+            live.captures.append(held)
+            request.emit(ev.CheckpointCaptured, checkpoint=self._facts(held))
+        self._prune_fallbacks(live)
+
+    def _prune_fallbacks(self, live: Live) -> None:
+        """Keep the newest fallback capture and the newest complete one; release the rest."""
+        fallbacks = [h for h in live.captures if h.role == "fallback"]
+        keep = set(fallbacks[-1:])
+        complete = [h for h in fallbacks if h.mtp_kv >= h.position - 1]
+        keep.update(complete[-1:])
+        for held in fallbacks:
+            if held not in keep:
+                live.captures.remove(held)
+                self.runner.release_held(held)
+
+    def evict(self, endpoint_id: str, reason: str = "operator") -> None:
+        """Drop an endpoint from the store (as an event) and release its storage."""
+        self.log.emit(ev.EndpointEvicted, endpoint=endpoint_id, reason=reason)
+        self._reconcile()
+        self.log.flush()
+
+    def _evict_one(self) -> bool:
+        if not self.store.endpoints:
+            return False
+        victim = min(self.store.endpoints, key=lambda e: self.store.endpoints[e].last_used_seq)
+        self.log.emit(ev.EndpointEvicted, endpoint=victim, reason="memory")
+        self._reconcile()
+        return True
+
+    def _decode_round(self, live: Live) -> None:
+        request, lane = live.request, live.lane
+        frontier = request.cursor
+        room = min(request.params.max_tokens - len(request.outputs),
+                   self.config.max_context - frontier - 1)
+        k = min(self.config.draft_tokens, room - 1) if self.mode.spec != "none" else 0
+        mtp_upto = frontier + max(k, 1) if self.runner.mtp else 0
+        if not self._reserve(live, frontier + k + 1, mtp_upto):
+            return
+        seq = request.sequence
+        drafts = self.runner.draft(lane, seq, frontier, k)
+        if self.runner.mtp:
+            for held in live.captures:
+                self.runner.extend(held, lane)
+        if self.draft_hook is not None and self.draft_hook(request):
+            self.runner.discard_round(lane, frontier)
+            self._cancel(request)
+            return
+        rnd = self.runner.verify(lane, seq[-1], drafts, frontier)
+        count, reason = truncate(rnd.new_tokens, room, request.params.stop_tokens)
+        committed = tuple(rnd.new_tokens[:count])
+        request.outputs.extend(committed)
+        self.runner.commit(lane, rnd, count, frontier, request.sequence)
+        request.cursor = frontier + count
+        request.emit(ev.TokensCommitted, tokens=committed, frontier=request.cursor,
+                     drafted=rnd.drafted, accepted=min(rnd.accepted, count))
+        self._check_stop(request, reason)
+
+    def _check_stop(self, request: Request, reason: str | None) -> None:
+        if reason is None:
+            if request.outputs and request.outputs[-1] in request.params.stop_tokens:
+                reason = "stop_token"
+            elif len(request.outputs) >= request.params.max_tokens:
+                reason = "max_tokens"
+            elif request.cursor + 1 >= self.config.max_context:
+                reason = "context_limit"
+        if reason is not None:
+            request.stop_reason = reason
+            machine.fire(request, "stop")
+
+    def _finish(self, live: Live) -> None:
+        request = live.request
+        if self.runner.mtp:  # the MTP layer catches up before the turn's state is published
+            self.runner.mtp_catch_up(live.lane, request.sequence, request.cursor - 1)
+            for held in live.captures:
+                self.runner.extend(held, live.lane)
+        self._leave(live, "finish")
+
+    # --- leaving: finish, cancel, preempt, fail ------------------------------------------
+
+    def _salvage_candidates(self, live: Live) -> list[Candidate]:
+        """The frontier (the lane's own storage, handed over) first, then the captures."""
+        request = live.request
+        out = []
+        if request.cursor > 0 and live.lane.slot >= 0:
+            held = self.runner.hand_over(live.lane, self._next_cp(request),
+                                         request.sequence[:request.cursor])
+            live.captures.insert(0, held)
+        for held in live.captures:
+            if held.role == "fallback":
+                continue
+            out.append(Candidate(held.role, self._facts(held)))
+        out.extend(Candidate("fallback", self._facts(h))
+                   for h in reversed(live.captures) if h.role == "fallback")
+        return out
+
+    def _leave(self, live: Live, trigger: str, **kwargs) -> None:
+        """Fire a salvaging trigger, then keep what was published and release the rest."""
+        request = live.request
+        self.live.pop(request.id, None)
+        machine.fire(request, trigger, **kwargs)
+        published = {e.checkpoint.id for e in (request.salvage.published if request.salvage
+                                               else ())}
+        for held in live.captures:
+            if held.id in published:
+                self.held[held.id] = held
+            else:
+                self.runner.release_held(held)
+        live.captures.clear()
+        self.runner.release_lane(live.lane)
+        request.salvage = None
+
+    def _cancel(self, request: Request) -> None:
+        live = self.live.get(request.id)
+        if live is None:
+            if request in self.waiting:
+                self.waiting.remove(request)
+            machine.fire(request, "cancel")
+            return
+        self._leave(live, "cancel")
+
+    def _preempt(self, live: Live) -> None:
+        self._leave(live, "preempt")
+        self.waiting.appendleft(live.request)
+
+    def _fail(self, request: Request, failure: str, message: str) -> None:
+        live = self.live.pop(request.id, None)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        machine.fire(request, "fail", failure=failure, message=message)
+        if live is not None:
+            for held in live.captures:
+                self.runner.release_held(held)
+            live.captures.clear()
+            self.runner.release_lane(live.lane)
+
+    # --- bookkeeping -------------------------------------------------------------------
+
+    def _next_cp(self, request: Request) -> str:
+        return f"{request.id}#{next(self._cp_ids)}"
+
+    def _facts(self, held: Held):
+        return held.facts(self.mode, self.model, self.config.journal_tokens)
+
+    def _reconcile(self) -> None:
+        """Release checkpoints the store no longer holds (superseded, evicted, lost)."""
+        wanted = self.store.checkpoint_ids()
+        for cp_id in [c for c in self.held if c not in wanted]:
+            self.runner.release_held(self.held.pop(cp_id))
+
+    def check_integrity(self) -> None:
+        """Invariant 6, conservation: pool use equals what lanes and endpoints hold."""
+        refs = [0] * self.blocks.num_blocks
+        slots: list[int] = []
+        owners: list[Held] = list(self.held.values())
+        for live in self.live.values():
+            for block in live.lane.attn_blocks + live.lane.mtp_blocks:
+                refs[block] += 1
+            slots.append(live.lane.slot)
+            owners.extend(live.captures)
+        for held in owners:
+            for block in held.attn_blocks + held.mtp_blocks:
+                refs[block] += 1
+            slots.append(held.slot)
+        if refs != self.blocks.refs:
+            bad = [b for b in range(len(refs)) if refs[b] != self.blocks.refs[b]]
+            raise AssertionError(f"block refcounts differ from holders at blocks {bad[:8]}")
+        if sorted(slots) != sorted(self.slots.in_use) or len(set(slots)) != len(slots):
+            raise AssertionError(f"slots in use {sorted(self.slots.in_use)} != {sorted(slots)}")
+        if set(self.held) != self.store.checkpoint_ids():
+            raise AssertionError("held checkpoints differ from the store's endpoints")
+        if not self.live and not self.store.endpoints:
+            assert self.blocks.free == self.blocks.num_blocks, "blocks leaked"
+            assert self.slots.free == self.slots.num_slots, "slots leaked"
+
+    def close_for_restart(self) -> dict[str, Held]:
+        """A crash: live lanes and captures vanish; published checkpoints' storage is
+        returned for a restart that keeps tensors (unflushed events are lost)."""
+        for live in self.live.values():
+            for held in live.captures:
+                self.runner.release_held(held)
+            self.runner.release_lane(live.lane)
+        self.live.clear()
+        return self.held
+
+
+def _hashes(request: Request) -> tuple[int, ...]:
+    from ..lifecycle.hashing import block_hashes
+    return block_hashes(request.sequence) if request.outputs else request.hashes
+
+
+def run_until_idle(engine: Engine, max_steps: int = 100_000) -> int:
+    steps = 0
+    while not engine.idle() and steps < max_steps:
+        engine.step()
+        steps += 1
+    return steps
+
+
+def make_sim_engine(config: EngineConfig, *, num_blocks: int = 256, block_size: int = 4,
+                    num_slots: int = 32, journal=None, seed: int = 0) -> Engine:
+    from ..model.sim import SimModel
+    model = SimModel(num_blocks=num_blocks, block_size=block_size, num_slots=num_slots, seed=seed)
+    engine = Engine(model, config, blocks=BlockPool(num_blocks, block_size),
+                    slots=SlotPool(num_slots), journal=journal)
+    engine.recover()
+    return engine
+
+
+__all__ = ["Engine", "EngineConfig", "Submit", "Cancel", "ReuseMismatch", "run_until_idle",
+           "make_sim_engine"]

@@ -1,0 +1,87 @@
+"""The Model protocol: what the engine asks of a model. SimModel (exact integer
+arithmetic) and the torch model implement it; the engine owns the bookkeeping (lanes,
+block tables, pools), the model owns the storage those ids index."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class MissingStatePart(RuntimeError):
+    """A forward read a state part that was never written: a stale reuse."""
+
+
+@dataclass(eq=False)
+class Lane:
+    """A live request's state on the device: where its parts are stored."""
+
+    slot: int
+    attn_blocks: list[int] = field(default_factory=list)
+    mtp_blocks: list[int] = field(default_factory=list)
+    mtp_valid: int = 0                 # MTP KV covers [0, mtp_valid)
+    # main-model hidden states at positions the MTP layer has not consumed yet, plus the
+    # one at frontier-1 (a checkpoint's "last hidden state")
+    hidden: dict[int, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """Result of feeding tokens at positions [start, start+n)."""
+
+    greedy: list[int]          # greedy next token after each position
+    hidden: list[Any]          # main hidden state at each position
+    states: list[Any]          # recurrent state after each position (kept for rollback)
+
+
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """State parts at a position, as read from storage or recomputed (for exactness)."""
+
+    attn_kv: tuple
+    recurrent: Any
+    mtp_kv: tuple
+    hidden: Any
+
+
+class Model(Protocol):
+    identity: str
+    dtypes: str
+    vocab_size: int
+    block_size: int
+
+    def forward(self, lane: Lane, tokens: Sequence[int], start: int) -> Forward:
+        """Feed `tokens` at positions start..: write their attention KV, read the KV of
+        [0, start) from storage and the recurrent state from the lane's slot. The slot is
+        not changed: `accept` picks the state to keep."""
+
+    def init_slot(self, lane: Lane) -> None:
+        """Set the lane's slot to the state before any token (a Root plan)."""
+
+    def accept(self, lane: Lane, state: Any, hidden: Any = None) -> None:
+        """Write a recurrent state returned by `forward` into the lane's slot, with the
+        last hidden state when the MTP head needs it (None otherwise)."""
+
+    def load_hidden(self, slot: int) -> Any:
+        """The last hidden state stored in `slot` (None if none)."""
+
+    def mtp(self, lane: Lane, position: int, hidden: Any, next_token: int) -> tuple[int, Any]:
+        """MTP forward at `position` from `hidden` and the embedding of `next_token`: write
+        its MTP KV entry, attend over MTP KV [0, position]; return (draft of the token
+        after next_token, MTP output hidden for chaining)."""
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy a slot: recurrent state, conv tail and last hidden state."""
+
+    def copy_block(self, src: int, dst: int, n: int) -> None:
+        """Copy the first `n` entries of block `src` into block `dst`."""
+
+    def read_parts(self, lane: Lane, position: int, mtp_kv: int) -> Parts:
+        """Read the parts at `position` from storage (for the exactness check)."""
+
+    def reference_parts(self, tokens: Sequence[int], mtp: bool) -> Parts:
+        """Recompute the parts at len(tokens) from scratch."""
+
+    def fence_done(self) -> bool:
+        """The device work launched so far has completed."""

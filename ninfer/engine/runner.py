@@ -1,0 +1,245 @@
+"""The runner: a lane's device work (prefill chunks, MTP catch-up, speculative rounds) and
+the storage of checkpoints (capture, hand-over, restore, release) over the pools."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ..lifecycle.facts import CheckpointFacts, Mode
+from ..lifecycle.hashing import block_hashes, prefix_hash
+from .model import Lane, MissingStatePart, Model
+from .pools import BlockPool, OutOfMemory, SlotPool
+from .speculative import accept_greedy, ngram_draft
+
+
+class ReuseMismatch(AssertionError):
+    """Restored state parts differ from a recomputation: reuse was not exact (invariant 3)."""
+
+
+@dataclass(eq=False)
+class Held:
+    """A checkpoint's storage: references to KV blocks and a state slot of its own."""
+
+    id: str
+    position: int
+    tokens: tuple[int, ...]
+    attn_blocks: list[int]
+    mtp_blocks: list[int]
+    mtp_kv: int
+    slot: int
+    hidden_at: int | None
+    role: str
+    fenced: bool = True
+    _hashes: tuple[int, ...] = field(default=(), repr=False)
+
+    def facts(self, mode: Mode, model: Model, journal_tokens: bool) -> CheckpointFacts:
+        if not self._hashes and self.tokens:
+            self._hashes = block_hashes(self.tokens)
+        return CheckpointFacts(
+            id=self.id, position=self.position, block_hashes=self._hashes,
+            prefix_hash=prefix_hash(self.tokens, self.position, self._hashes),
+            attn_kv=self.position, recurrent_at=self.position,
+            mtp_kv=min(self.mtp_kv, max(self.position - 1, 0)), hidden_at=self.hidden_at,
+            fenced=self.fenced, model=model.identity, dtypes=model.dtypes,
+            tokens=self.tokens if journal_tokens else None)
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """What a speculative round produced before truncation."""
+
+    new_tokens: list[int]   # accepted drafts then the verifier's token
+    drafted: int
+    accepted: int
+    forward: object         # the verify Forward, for picking the state after a prefix
+
+
+class Runner:
+    def __init__(self, model: Model, blocks: BlockPool, slots: SlotPool, mode: Mode) -> None:
+        self.model, self.blocks, self.slots, self.mode = model, blocks, slots, mode
+        self.mtp = mode.spec == "mtp"
+
+    # --- storage -----------------------------------------------------------------------
+
+    def new_lane(self) -> Lane:
+        return Lane(slot=self.slots.alloc())
+
+    def reserve(self, lane: Lane, attn_upto: int, mtp_upto: int = 0) -> None:
+        """Make the lane's block tables cover positions [0, attn_upto) and [0, mtp_upto).
+        Raises OutOfMemory having allocated nothing."""
+        need_a = max(self.blocks.blocks_for(attn_upto) - len(lane.attn_blocks), 0)
+        need_m = max(self.blocks.blocks_for(mtp_upto) - len(lane.mtp_blocks), 0)
+        if need_a + need_m > self.blocks.free:
+            raise OutOfMemory(f"need {need_a + need_m} KV blocks, {self.blocks.free} free")
+        lane.attn_blocks.extend(self.blocks.alloc() for _ in range(need_a))
+        lane.mtp_blocks.extend(self.blocks.alloc() for _ in range(need_m))
+
+    def release_lane(self, lane: Lane) -> None:
+        self.blocks.release(lane.attn_blocks)
+        self.blocks.release(lane.mtp_blocks)
+        if lane.slot >= 0:
+            self.slots.release(lane.slot)
+            lane.slot = -1
+
+    def release_held(self, held: Held) -> None:
+        self.blocks.release(held.attn_blocks)
+        self.blocks.release(held.mtp_blocks)
+        self.slots.release(held.slot)
+
+    def _share(self, table: list[int], positions: int) -> list[int]:
+        shared = table[:self.blocks.blocks_for(positions)]
+        for block in shared:
+            self.blocks.incref(block)
+        return shared
+
+    def capture(self, lane: Lane, cp_id: str, tokens: Sequence[int], role: str) -> Held:
+        """Snapshot the lane at its frontier len(tokens) while it goes on: blocks shared by
+        reference (positions below the frontier are never rewritten), the slot copied."""
+        p = len(tokens)
+        slot = self.slots.alloc()
+        self.model.copy_slot(lane.slot, slot)
+        return Held(cp_id, p, tuple(tokens), self._share(lane.attn_blocks, p),
+                    self._share(lane.mtp_blocks, min(lane.mtp_valid, p - 1)),
+                    min(lane.mtp_valid, p - 1), slot, self._hidden_at(lane, p), role,
+                    self.model.fence_done())
+
+    def extend(self, held: Held, lane: Lane) -> None:
+        """The MTP layer caught up: a capture of this lane now covers more MTP KV."""
+        upto = min(lane.mtp_valid, held.position - 1)
+        if upto <= held.mtp_kv:
+            return
+        have = len(held.mtp_blocks)
+        for block in lane.mtp_blocks[have:self.blocks.blocks_for(upto)]:
+            self.blocks.incref(block)
+            held.mtp_blocks.append(block)
+        held.mtp_kv = upto
+
+    def hand_over(self, lane: Lane, cp_id: str, tokens: Sequence[int]) -> Held:
+        """The lane's own storage becomes the frontier checkpoint (the request is leaving)."""
+        p = len(tokens)
+        keep_a = self.blocks.blocks_for(p)
+        keep_m = self.blocks.blocks_for(min(lane.mtp_valid, p - 1))
+        self.blocks.release(lane.attn_blocks[keep_a:])
+        self.blocks.release(lane.mtp_blocks[keep_m:])
+        held = Held(cp_id, p, tuple(tokens), lane.attn_blocks[:keep_a], lane.mtp_blocks[:keep_m],
+                    min(lane.mtp_valid, p - 1), lane.slot, self._hidden_at(lane, p), "frontier",
+                    self.model.fence_done())
+        lane.attn_blocks, lane.mtp_blocks, lane.slot = [], [], -1
+        return held
+
+    def _hidden_at(self, lane: Lane, p: int) -> int | None:
+        return p - 1 if self.mtp and (p - 1) in lane.hidden else None
+
+    def restore(self, held: Held, lane: Lane, check: bool) -> None:
+        """Materialize `held` into an empty lane: full blocks shared, the partial tail block
+        copied, the slot copied; MTP KV and the last hidden state too under MTP."""
+        p, bs = held.position, self.blocks.block_size
+        mtp_kv = held.mtp_kv if self.mtp else 0
+        tails = (p % bs != 0) + (self.mtp and mtp_kv % bs != 0)
+        if tails > self.blocks.free:
+            raise OutOfMemory("no free block for the checkpoint's tail")
+        self.model.copy_slot(held.slot, lane.slot)
+        lane.attn_blocks = self._share_full(held.attn_blocks, p)
+        if self.mtp:
+            lane.mtp_blocks = self._share_full(held.mtp_blocks, mtp_kv)
+            lane.mtp_valid = mtp_kv
+            hidden = self.model.load_hidden(lane.slot)
+            lane.hidden = {p - 1: hidden} if hidden is not None else {}
+        if check:
+            self.check_reuse(lane, held.tokens[:p])
+
+    def _share_full(self, table: list[int], n: int) -> list[int]:
+        full, rest = divmod(n, self.blocks.block_size)
+        out = table[:full]
+        for block in out:
+            self.blocks.incref(block)
+        if rest:
+            tail = self.blocks.alloc()
+            self.model.copy_block(table[full], tail, rest)
+            out.append(tail)
+        return out
+
+    def check_reuse(self, lane: Lane, tokens: Sequence[int]) -> None:
+        """Invariant 3: every part the mode needs, read from storage, equals a recomputation."""
+        p = len(tokens)
+        need_mtp = p - 1 if self.mtp else 0
+        ref = self.model.reference_parts(tokens, self.mtp)
+        try:
+            got = self.model.read_parts(lane, p, need_mtp)
+        except MissingStatePart as exc:
+            raise ReuseMismatch(f"restored checkpoint at {p}: {exc}") from exc
+        for name in ("attn_kv", "recurrent", "mtp_kv", "hidden"):
+            if getattr(got, name) != getattr(ref, name):
+                raise ReuseMismatch(f"restored {name} at position {p} differs from a recomputation")
+
+    # --- device work -------------------------------------------------------------------
+
+    def init_root(self, lane: Lane) -> None:
+        self.model.init_slot(lane)
+
+    def prefill(self, lane: Lane, seq: Sequence[int], start: int, end: int) -> int:
+        """Feed seq[start:end]; return the greedy token after position end-1."""
+        out = self.model.forward(lane, seq[start:end], start)
+        last_hidden = out.hidden[-1] if self.mtp else None
+        self.model.accept(lane, out.states[-1], last_hidden)
+        if self.mtp:
+            for i, h in enumerate(out.hidden):
+                lane.hidden[start + i] = h
+        return out.greedy[-1]
+
+    def mtp_catch_up(self, lane: Lane, seq: Sequence[int], upto: int) -> tuple[int, object] | None:
+        """Write MTP KV entries [mtp_valid, upto) from verified hidden states; return the
+        last forward's (draft, hidden) for chaining."""
+        last = None
+        for pos in range(lane.mtp_valid, upto):
+            hidden = lane.hidden.get(pos)
+            if hidden is None:
+                raise MissingStatePart(f"main hidden state at {pos} is missing for the MTP layer")
+            last = self.model.mtp(lane, pos, hidden, seq[pos + 1])
+            lane.mtp_valid = pos + 1
+        for pos in [q for q in lane.hidden if q < lane.mtp_valid and q != upto - 1]:
+            del lane.hidden[pos]
+        return last
+
+    def draft(self, lane: Lane, seq: Sequence[int], frontier: int, k: int) -> list[int]:
+        """k draft tokens continuing seq (whose last token, at `frontier`, is not fed yet)."""
+        if k <= 0:
+            return []
+        if self.mode.spec == "ngram":
+            return ngram_draft(seq, k)
+        if not self.mtp:
+            return []
+        last = self.mtp_catch_up(lane, seq, frontier)
+        if last is None:
+            raise MissingStatePart(f"no MTP forward at {frontier - 1} to draft from")
+        draft, hidden = last
+        drafts = [draft]
+        for j in range(1, k):  # chained: entries written here are overwritten after verify
+            draft, hidden = self.model.mtp(lane, frontier + j - 1, hidden, drafts[-1])
+            drafts.append(draft)
+        return drafts
+
+    def verify(self, lane: Lane, pending: int, drafts: list[int], frontier: int) -> Round:
+        out = self.model.forward(lane, [pending, *drafts], frontier)
+        accepted = accept_greedy(drafts, out.greedy)
+        return Round(drafts[:accepted] + [out.greedy[accepted]], len(drafts), accepted, out)
+
+    def commit(self, lane: Lane, rnd: Round, count: int, frontier: int, seq: Sequence[int]) -> None:
+        """Keep `count` positions of the round: roll every part back to the last accepted
+        token (recurrent state picked, MTP entries past the frontier invalidated)."""
+        out = rnd.forward
+        hidden = out.hidden[count - 1] if self.mtp else None
+        self.model.accept(lane, out.states[count - 1], hidden)
+        if self.mtp:
+            lane.mtp_valid = min(lane.mtp_valid, frontier)
+            for i in range(count):
+                lane.hidden[frontier + i] = out.hidden[i]
+            self.mtp_catch_up(lane, seq, frontier + count - 1)
+
+    def discard_round(self, lane: Lane, frontier: int) -> None:
+        """A round cut between draft and verify: drafted MTP entries are not valid."""
+        lane.mtp_valid = min(lane.mtp_valid, frontier)
+
+
+DraftHook = Callable[[object], bool]

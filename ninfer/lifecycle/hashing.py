@@ -1,0 +1,33 @@
+"""Token-prefix hashing: the fold and the planner match prefixes on these, never on ids."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+HASH_BLOCK = 16  # tokens per hashed block; independent of the KV block size
+
+
+def _digest(prev: int, tokens) -> int:
+    h = hashlib.blake2b(prev.to_bytes(8, "little"), digest_size=8)
+    h.update(array("q", tokens).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+def block_hashes(tokens) -> tuple[int, ...]:
+    """Chained hashes of every full HASH_BLOCK of `tokens`."""
+    out = []
+    prev = 0
+    for start in range(0, len(tokens) - HASH_BLOCK + 1, HASH_BLOCK):
+        prev = _digest(prev, tokens[start:start + HASH_BLOCK])
+        out.append(prev)
+    return tuple(out)
+
+
+def prefix_hash(tokens, position: int, hashes: tuple[int, ...]) -> int:
+    """Hash of tokens[:position], given `hashes` = block_hashes(tokens) (or a longer prefix's)."""
+    full = position // HASH_BLOCK
+    prev = hashes[full - 1] if full else 0
+    if position % HASH_BLOCK == 0:
+        return prev
+    return _digest(prev, tokens[full * HASH_BLOCK:position])

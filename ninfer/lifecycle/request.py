@@ -1,0 +1,89 @@
+"""A request: the model object the shared lifecycle machine drives.
+
+Its `state` changes only through `machine.fire`. The guards named in
+specs/lifecycle.toml are methods here; the engine supplies what they need through
+`salvage_candidates` (the checkpoints this request offers) and `mode`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import salvage
+from .eventlog import EventLog
+from .facts import Mode
+from .hashing import block_hashes
+from .planner import Plan
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    stop_tokens: tuple[int, ...] = ()
+    temperature: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"max_tokens": self.max_tokens, "stop_tokens": list(self.stop_tokens),
+                "temperature": self.temperature}
+
+
+@dataclass(eq=False)
+class Request:
+    id: str
+    prompt: tuple[int, ...]
+    session: str | None
+    tenant: str
+    log: EventLog
+    mode: Mode
+    params: SamplingParams = field(default_factory=SamplingParams)
+    boundaries: tuple[int, ...] = ()   # message boundaries: anchor candidates
+    shared_prefix: int = 0             # end of the stable shared prefix, 0 if none
+    journal_tokens: bool = True        # journal token ids, not only block hashes
+
+    state: str = "Queued"
+    outputs: list[int] = field(default_factory=list)
+    plan: Plan | None = None
+    cursor: int = 0                    # the state frontier: tokens whose state is computed
+    stop_reason: str | None = None
+    salvage: salvage.Salvage | None = None
+    failure: tuple[str, str] | None = None
+    salvage_candidates: Callable[[], list[salvage.Candidate]] = lambda: []
+    hashes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.hashes = block_hashes(self.prompt)
+
+    # --- derived ------------------------------------------------------------------------
+
+    @property
+    def sequence(self) -> tuple[int, ...]:
+        """Prompt plus committed output: what a (re)start plans and prefills against."""
+        return self.prompt + tuple(self.outputs)
+
+    @property
+    def target(self) -> int:
+        """Frontier to reach before decoding: the last output token is never fed yet."""
+        return len(self.prompt) + max(len(self.outputs) - 1, 0)
+
+    @property
+    def reuse_base(self) -> int:
+        return self.plan.reuse_base if self.plan else 0
+
+    def emit(self, cls, **fields):
+        return self.log.emit(cls, request=self.id, conversation=self.session, **fields)
+
+    # --- guards (named in specs/lifecycle.toml) -----------------------------------------
+
+    def has_plan(self, _event=None) -> bool:
+        return self.plan is not None and self.plan.reuse_base < len(self.sequence)
+
+    def prefill_done(self, _event=None) -> bool:
+        return self.cursor == self.target
+
+    def salvage_ok(self, _event=None) -> bool:
+        """Decide publication with the predicate, before any event is emitted."""
+        self.salvage = salvage.decide(self.salvage_candidates(), self.mode, self.tenant,
+                                      self.session)
+        return self.salvage.frontier_ok

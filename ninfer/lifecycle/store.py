@@ -1,0 +1,184 @@
+"""The continuation store: nothing but the fold of the journal's events.
+
+`ContinuationStore.apply(event)` is the only way it changes, live or in replay, so a
+store rebuilt from a journal equals the live one by construction. The fold re-checks the
+recorded facts of every `EndpointPublished` with the one predicate and raises
+`InvariantViolation` if they fail: an event is never silently dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import events as ev
+from . import salvage
+from .facts import EndpointFacts, Mode
+
+
+class InvariantViolation(Exception):
+    """An invariant of specs/invariants.md does not hold at `seq`."""
+
+    def __init__(self, invariant: int, seq: int, message: str, request: str | None = None):
+        self.invariant, self.seq, self.request = invariant, seq, request
+        where = f"seq {seq}" + (f", request {request}" if request else "")
+        super().__init__(f"invariant {invariant} violated at {where}: {message}")
+
+
+@dataclass(slots=True)
+class StoredEndpoint:
+    facts: EndpointFacts
+    published_seq: int
+    last_used_seq: int
+
+
+class ContinuationStore:
+    """Private endpoints per (tenant, session): the latest point plus anchors at message
+    boundaries; shared stable prefixes per tenant. Keyed by tenant throughout, so one
+    tenant's entries are never visible to another."""
+
+    def __init__(self) -> None:
+        self.mode: Mode | None = None
+        self.max_endpoints = 0
+        self.applied_seq = 0
+        self.endpoints: dict[str, StoredEndpoint] = {}
+        self._latest: dict[tuple[str, str], str] = {}
+        self._anchors: dict[tuple[str, str], dict[int, str]] = {}
+        self._shared: dict[str, dict[int, str]] = {}
+
+    # --- the fold -----------------------------------------------------------------------
+
+    def apply(self, event: ev.Event) -> None:
+        if event.seq <= self.applied_seq:
+            raise InvariantViolation(
+                4, event.seq, f"seq not increasing (after {self.applied_seq})", event.request
+            )
+        handler = _HANDLERS.get(type(event))
+        if handler is not None:
+            handler(self, event)
+        self.applied_seq = event.seq
+
+    def _server_started(self, e: ev.ServerStarted) -> None:
+        for stored in self.endpoints.values():  # recovery drops what fails the new mode first
+            decision = salvage.materializable(stored.facts.checkpoint, e.mode)
+            if not decision.ok:
+                raise InvariantViolation(
+                    1, e.seq, f"endpoint {stored.facts.id} kept across a restart but "
+                    f"{decision.reason}")
+        self.mode = e.mode
+        self.max_endpoints = e.max_endpoints
+
+    def _published(self, e: ev.EndpointPublished) -> None:
+        facts = e.endpoint
+        if self.mode is None:
+            raise InvariantViolation(1, e.seq, "endpoint published before ServerStarted", e.request)
+        decision = salvage.materializable(facts.checkpoint, self.mode)
+        if not decision.ok:
+            raise InvariantViolation(
+                1, e.seq, f"endpoint {facts.id} published but {decision.reason}", e.request
+            )
+        if facts.id in self.endpoints:
+            raise InvariantViolation(1, e.seq, f"endpoint {facts.id} published twice", e.request)
+        key = (facts.tenant, facts.session or "")
+        if facts.kind == "private":
+            self._drop(self._latest.get(key))
+            self._latest[key] = facts.id
+        else:
+            index = (
+                self._anchors.setdefault(key, {})
+                if facts.kind == "anchor"
+                else self._shared.setdefault(facts.tenant, {})
+            )
+            self._drop(index.get(facts.position))
+            index[facts.position] = facts.id
+        self.endpoints[facts.id] = StoredEndpoint(facts, e.seq, e.seq)
+
+    def _started(self, e: ev.RequestStarted) -> None:
+        if e.endpoint is None:
+            return
+        stored = self.endpoints.get(e.endpoint)
+        if stored is None:
+            raise InvariantViolation(
+                2, e.seq, f"plan reuses endpoint {e.endpoint}, which the store does not hold",
+                e.request,
+            )
+        stored.last_used_seq = e.seq
+
+    def _removed(self, e: ev.EndpointEvicted | ev.EndpointLost) -> None:
+        if e.endpoint not in self.endpoints:
+            raise InvariantViolation(
+                5, e.seq, f"{e.kind} names endpoint {e.endpoint}, which the store does not hold"
+            )
+        self._drop(e.endpoint)
+
+    def _drop(self, endpoint_id: str | None) -> None:
+        stored = self.endpoints.pop(endpoint_id, None) if endpoint_id else None
+        if stored is None:
+            return
+        f = stored.facts
+        key = (f.tenant, f.session or "")
+        if f.kind == "private":
+            self._latest.pop(key, None)
+        elif f.kind == "anchor":
+            self._anchors.get(key, {}).pop(f.position, None)
+        else:
+            self._shared.get(f.tenant, {}).pop(f.position, None)
+
+    # --- queries ------------------------------------------------------------------------
+
+    def candidates(self, tenant: str, session: str | None) -> list[EndpointFacts]:
+        """Endpoints this tenant may plan from, longest first (private before anchor before
+        shared at equal positions)."""
+        key = (tenant, session or "")
+        ids = []
+        if session is not None and key in self._latest:
+            ids.append(self._latest[key])
+        if session is not None:
+            ids.extend(self._anchors.get(key, {}).values())
+        ids.extend(self._shared.get(tenant, {}).values())
+        found = [self.endpoints[i].facts for i in ids]
+        rank = {"private": 0, "anchor": 1, "shared": 2}
+        found.sort(key=lambda f: (-f.position, rank[f.kind]))
+        return found
+
+    def over_capacity(self) -> list[str]:
+        """Endpoints to evict, least recently used first, to get back within capacity."""
+        excess = len(self.endpoints) - self.max_endpoints
+        if excess <= 0:
+            return []
+        by_use = sorted(self.endpoints.values(), key=lambda s: (s.last_used_seq, s.published_seq))
+        return [s.facts.id for s in by_use[:excess]]
+
+    def checkpoint_ids(self) -> set[str]:
+        return {s.facts.checkpoint.id for s in self.endpoints.values()}
+
+    def state(self) -> tuple:
+        """Everything the fold determines, for comparing a live store with a replayed one."""
+        return (
+            self.mode,
+            self.max_endpoints,
+            {k: (s.facts, s.published_seq, s.last_used_seq) for k, s in self.endpoints.items()},
+            self._latest,
+            {k: v for k, v in self._anchors.items() if v},
+            {k: v for k, v in self._shared.items() if v},
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ContinuationStore) and self.state() == other.state()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    @classmethod
+    def replay(cls, events) -> ContinuationStore:
+        store = cls()
+        for event in events:
+            store.apply(event)
+        return store
+
+
+_HANDLERS = {
+    ev.ServerStarted: ContinuationStore._server_started,
+    ev.EndpointPublished: ContinuationStore._published,
+    ev.RequestStarted: ContinuationStore._started,
+    ev.EndpointEvicted: ContinuationStore._removed,
+    ev.EndpointLost: ContinuationStore._removed,
+}

@@ -1,0 +1,178 @@
+"""SimModel: the Model protocol in exact integer arithmetic.
+
+Every state part is a deterministic hash of what it covers, stored in slots and blocks
+like a real tensor, and every forward reads the stored parts: a restore that brought back
+a stale or missing part changes what the model computes or raises `MissingStatePart`.
+The parts: recurrent state r (a chained hash, the "GDN matrix") and the conv tail (the
+last K-1 tokens); attention KV kv(i) = H(r after i); hidden(i) = (r, S_i, conv) with S_i
+the sum of kv over [0, i] read from storage; the MTP KV entry at i = H(hidden(i), t_{i+1}).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..engine.model import Forward, Lane, MissingStatePart, Parts
+
+MASK = (1 << 61) - 1
+CONV = 4
+KV_TAG, OUT_TAG, MTP_TAG, NOISE_TAG = 11, 13, 17, 19
+
+
+def mix(a: int, b: int) -> int:
+    x = (a * 0x9E3779B97F4A7C15 + b + 0x632BE59BD9B4E019) & 0xFFFFFFFFFFFFFFFF
+    x ^= x >> 29
+    x = (x * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x ^= x >> 32
+    return x & MASK
+
+
+def _hash_hidden(h: tuple) -> int:
+    r, s, conv = h
+    acc = mix(r, s)
+    for t in conv:
+        acc = mix(acc, t)
+    return acc
+
+
+class SimModel:
+    dtypes = "sim-int64"
+
+    def __init__(self, *, num_blocks: int, block_size: int, num_slots: int,
+                 vocab_size: int = 97, seed: int = 0, draft_quality: int = 4) -> None:
+        self.identity = f"sim-v1-seed{seed}-vocab{vocab_size}"
+        self.vocab_size, self.block_size, self.seed = vocab_size, block_size, seed
+        self.draft_quality = draft_quality  # 1 in draft_quality MTP drafts is wrong
+        # storage: never cleared on free, like device memory
+        self.kv: list[list] = [[None] * block_size for _ in range(num_blocks)]
+        self.slots: list = [None] * num_slots          # recurrent state + conv tail
+        self.hidden_slots: list = [None] * num_slots   # last hidden state (MTP only)
+
+    # --- arithmetic -----------------------------------------------------------------------
+
+    def _feed(self, state: tuple, token: int) -> tuple:
+        r, conv = state
+        window = conv + (token,)
+        acc = r
+        for t in window:
+            acc = mix(acc, t + 1)
+        return acc, window[1:]
+
+    def _greedy(self, hidden: tuple) -> int:
+        return mix(_hash_hidden(hidden), OUT_TAG) % self.vocab_size
+
+    def _initial(self) -> tuple:
+        return mix(self.seed, 1), (0,) * (CONV - 1)
+
+    # --- storage access ---------------------------------------------------------------------
+
+    def _read(self, blocks: list[int], position: int, what: str):
+        block, offset = divmod(position, self.block_size)
+        value = self.kv[blocks[block]][offset] if block < len(blocks) else None
+        if value is None:
+            raise MissingStatePart(f"{what} at position {position} was never written")
+        return value
+
+    def _write(self, blocks: list[int], position: int, value) -> None:
+        block, offset = divmod(position, self.block_size)
+        self.kv[blocks[block]][offset] = value
+
+    def _slot(self, lane: Lane):
+        state = self.slots[lane.slot]
+        if state is None:
+            raise MissingStatePart(f"state slot {lane.slot} holds no recurrent state")
+        return state
+
+    # --- the protocol ----------------------------------------------------------------------
+
+    def forward(self, lane: Lane, tokens: Sequence[int], start: int) -> Forward:
+        state = self._slot(lane)
+        s = 0
+        for pos in range(start):
+            s = (s + self._read(lane.attn_blocks, pos, "attention KV")) & MASK
+        greedy, hidden, states = [], [], []
+        for i, token in enumerate(tokens):
+            state = self._feed(state, token)
+            self._write(lane.attn_blocks, start + i, mix(KV_TAG, state[0]))
+            s = (s + self._read(lane.attn_blocks, start + i, "attention KV")) & MASK
+            h = (state[0], s, state[1])
+            greedy.append(self._greedy(h))
+            hidden.append(h)
+            states.append(state)
+        return Forward(greedy, hidden, states)
+
+    def accept(self, lane: Lane, state, hidden=None) -> None:
+        self.slots[lane.slot] = state
+        self.hidden_slots[lane.slot] = hidden
+
+    def load_hidden(self, slot: int):
+        return self.hidden_slots[slot]
+
+    def init_slot(self, lane: Lane) -> None:
+        self.slots[lane.slot] = self._initial()
+
+    def mtp(self, lane: Lane, position: int, hidden: tuple, next_token: int) -> tuple[int, tuple]:
+        entry = mix(MTP_TAG, mix(_hash_hidden(hidden), next_token))
+        self._write(lane.mtp_blocks, position, entry)
+        m = 0
+        for pos in range(position + 1):
+            m = (m + self._read(lane.mtp_blocks, pos, "MTP KV")) & MASK
+        # the head predicts the main model's next step, wrong one time in draft_quality
+        r, s, conv = hidden
+        state = self._feed((r, conv), next_token)
+        s2 = (s + mix(KV_TAG, state[0])) & MASK
+        out = (state[0], s2, state[1])
+        draft = self._greedy(out)
+        if mix(m, NOISE_TAG) % self.draft_quality == 0:
+            draft = (draft + 1) % self.vocab_size
+        return draft, out
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        self.slots[dst] = self.slots[src]
+        self.hidden_slots[dst] = self.hidden_slots[src]
+
+    def copy_block(self, src: int, dst: int, n: int) -> None:
+        self.kv[dst][:n] = self.kv[src][:n]
+
+    def fence_done(self) -> bool:
+        return True  # SimModel's work completes when its step commits
+
+    # --- exactness ------------------------------------------------------------------------
+
+    def read_parts(self, lane: Lane, position: int, mtp_kv: int) -> Parts:
+        attn = tuple(self._read(lane.attn_blocks, p, "attention KV") for p in range(position))
+        mtp = tuple(self._read(lane.mtp_blocks, p, "MTP KV") for p in range(mtp_kv))
+        return Parts(attn, self._slot(lane), mtp, self.hidden_slots[lane.slot])
+
+    def reference_parts(self, tokens: Sequence[int], mtp: bool) -> Parts:
+        state, s = self._initial(), 0
+        attn, hiddens = [], []
+        for token in tokens:
+            state = self._feed(state, token)
+            attn.append(mix(KV_TAG, state[0]))
+            s = (s + attn[-1]) & MASK
+            hiddens.append((state[0], s, state[1]))
+        mtp_kv = ()
+        if mtp:
+            mtp_kv = tuple(mix(MTP_TAG, mix(_hash_hidden(hiddens[i]), tokens[i + 1]))
+                           for i in range(len(tokens) - 1))
+        return Parts(tuple(attn), state, mtp_kv, hiddens[-1] if mtp and hiddens else None)
+
+    def reference_generate(self, tokens: Sequence[int], max_tokens: int,
+                           stop_tokens: Sequence[int] = ()) -> list[int]:
+        """A plain Root run, no pools: the greedy continuation of `tokens`."""
+        state, s = self._initial(), 0
+        out: list[int] = []
+        seq = list(tokens)
+        i = 0
+        while True:
+            state = self._feed(state, seq[i])
+            s = (s + mix(KV_TAG, state[0])) & MASK
+            i += 1
+            if i < len(seq):
+                continue
+            token = self._greedy((state[0], s, state[1]))
+            out.append(token)
+            seq.append(token)
+            if len(out) >= max_tokens or token in stop_tokens:
+                return out

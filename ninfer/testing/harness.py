@@ -1,0 +1,115 @@
+"""A SimModel engine with its journal, watched by every invariant after every event.
+
+Used by the stateful tests, the regression tests and `ninfer fuzz`. Cheap to build: an
+in-memory journal and a small SimModel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..engine.engine import Engine, EngineConfig, Submit, run_until_idle
+from ..engine.pools import BlockPool, SlotPool
+from ..lifecycle import salvage
+from ..lifecycle.checks import JournalChecker
+from ..lifecycle.journal import Journal
+from ..lifecycle.request import SamplingParams
+from ..lifecycle.store import ContinuationStore
+from ..model.sim import SimModel
+
+# The spec's predicate, bound at import: the oracle stays true when a test weakens the
+# server's predicate (salvage.materializable) to prove the machine notices.
+SPEC_PREDICATE = salvage.materializable
+
+
+class Harness:
+    def __init__(self, config: EngineConfig, *, num_blocks: int = 96, block_size: int = 4,
+                 num_slots: int = 24, seed: int = 0, journal: Journal | None = None,
+                 oracle: bool = True) -> None:
+        self.config, self.seed = config, seed
+        self.sizes = (num_blocks, block_size, num_slots)
+        self.journal = journal if journal is not None else Journal.memory()
+        self.oracle = oracle
+        self.checker = JournalChecker()
+        self.replica = ContinuationStore()
+        self.checked_outputs: set[str] = set()
+        self.ids = 0
+        self.submitted: dict[str, Submit] = {}
+        self.past: dict = {}                  # requests of engines before a restart
+        self.engine = self._boot(None, config)
+
+    def _boot(self, kept: tuple | None, config: EngineConfig) -> Engine:
+        num_blocks, block_size, num_slots = self.sizes
+        if kept is None:
+            model = SimModel(num_blocks=num_blocks, block_size=block_size, num_slots=num_slots,
+                             seed=self.seed)
+            blocks, slots, held = BlockPool(num_blocks, block_size), SlotPool(num_slots), None
+        else:
+            model, blocks, slots, held = kept
+        engine = Engine(model, config, blocks=blocks, slots=slots, journal=self.journal,
+                        held=held)
+        engine.log.listeners.append(self.checker.feed)
+        engine.recover()
+        return engine
+
+    # --- driving -----------------------------------------------------------------------
+
+    def submit(self, prompt, session: str | None, tenant: str = "t", *, max_tokens: int = 6,
+               stop_tokens=(), boundaries=(), shared_prefix: int = 0) -> str:
+        self.ids += 1
+        rid = f"r{self.ids}"
+        command = Submit(rid, tuple(prompt), session, tenant,
+                         SamplingParams(max_tokens=max_tokens, stop_tokens=tuple(stop_tokens)),
+                         tuple(boundaries), shared_prefix)
+        self.engine.submit(command)
+        self.submitted[rid] = command
+        return rid
+
+    def step(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.engine.step()
+
+    def run(self, max_steps: int = 5_000) -> None:
+        run_until_idle(self.engine, max_steps)
+        assert self.engine.idle(), f"engine not idle after {max_steps} steps (livelock?)"
+
+    def request(self, rid: str):
+        """The request, whether admitted yet or not, in this engine or one before a restart."""
+        found = self.engine.requests.get(rid) or self.past.get(rid)
+        return found if found is not None else self.submitted[rid]
+
+    def outputs(self, rid: str) -> tuple[int, ...]:
+        return tuple(getattr(self.request(rid), "outputs", ()))
+
+    def restart(self, *, keep_tensors: bool, spec: str | None = None) -> None:
+        """A crash and a restart on the same journal, possibly with another mode."""
+        engine = self.engine
+        self.past.update(engine.requests)
+        held = engine.close_for_restart()
+        kept = (engine.model, engine.blocks, engine.slots, held) if keep_tensors else None
+        config = replace(self.config, spec=spec or self.config.spec)
+        self.config = config
+        self.engine = self._boot(kept, config)
+
+    # --- invariants --------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Every invariant that is not already checked event by event."""
+        engine = self.engine
+        engine.check_integrity()                                         # 6
+        for event in self.journal.read(self.replica.applied_seq + 1):  # 5
+            self.replica.apply(event)
+        assert self.replica == engine.store, "replayed store differs from the live store"
+        if self.oracle:                                                  # 1
+            for stored in engine.store.endpoints.values():
+                decision = SPEC_PREDICATE(stored.facts.checkpoint, engine.mode)
+                assert decision.ok, f"endpoint {stored.facts.id} in the store: {decision.reason}"
+        for rid, request in engine.requests.items():                     # 3
+            if rid in self.checked_outputs or not request.outputs:
+                continue
+            ref = engine.model.reference_generate(request.prompt, request.params.max_tokens,
+                                                  request.params.stop_tokens)
+            assert request.outputs == ref[:len(request.outputs)], (
+                f"{rid}: output differs from a Root run")
+            if request.state in ("Finished", "Cancelled", "Failed"):
+                self.checked_outputs.add(rid)

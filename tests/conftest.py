@@ -1,0 +1,16 @@
+"""Hypothesis profiles. CI sets CI=true, which selects Hypothesis's built-in `ci` profile
+(derandomized, no example database); we extend it rather than replace it."""
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci", settings.get_profile("ci"), max_examples=60, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "dev", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "fuzz", max_examples=100_000, deadline=None, derandomize=False,
+    suppress_health_check=list(HealthCheck))
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
