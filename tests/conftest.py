@@ -6,10 +6,10 @@ import os
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
-    "ci", settings.get_profile("ci"), max_examples=60, deadline=None,
+    "ci", settings.get_profile("ci"), max_examples=300, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile(
-    "dev", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    "dev", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile(
     "fuzz", max_examples=100_000, deadline=None, derandomize=False,
     suppress_health_check=list(HealthCheck))

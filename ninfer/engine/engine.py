@@ -215,8 +215,20 @@ class Engine:
                 return
             self.waiting.popleft()
 
+    def _fits(self, request: Request) -> bool:
+        """Room for the whole request beside the lanes already running. Alone, a request
+        may always start (it evicts endpoints as it goes); beside others it waits, so that
+        preempted requests do not come straight back and preempt in turn."""
+        if not self.live:
+            return True
+        positions = len(request.sequence) + request.params.max_tokens + self.config.draft_tokens
+        need = self.blocks.blocks_for(positions) * (2 if self.runner.mtp else 1)
+        return self.blocks.free >= need
+
     def _start(self, request: Request) -> bool:
         """Plan and materialize; False (and nothing held) when memory is short now."""
+        if not self._fits(request):
+            return False
         if self.slots.free == 0 and not self._evict_one():
             return False
         live = Live(request, self.runner.new_lane())
@@ -266,8 +278,11 @@ class Engine:
                 return True
             except OutOfMemory as exc:
                 if not self._free_memory(live):
-                    self._fail(live.request, "capacity",
-                               f"the KV pool cannot hold this request: {exc}")
+                    if len(self.live) > 1:  # others will finish and free memory: wait
+                        self._preempt(live)
+                    else:
+                        self._fail(live.request, "capacity",
+                                   f"the KV pool cannot hold this request: {exc}")
                     return False
                 if live.request.id not in self.live:
                     return False

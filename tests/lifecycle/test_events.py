@@ -1,0 +1,55 @@
+import dataclasses
+
+import pytest
+
+from ninfer.lifecycle import events as ev
+from ninfer.lifecycle.facts import EndpointFacts
+
+from .factories import MTP, checkpoint
+
+CP = checkpoint(range(20), cp_id="c1")
+SAMPLES = [
+    ev.RequestQueued(tenant="t", prompt_len=3, block_hashes=(1, 2), tokens=(5, 6, 7),
+                     params={"max_tokens": 4, "stop_tokens": [0]}, boundaries=(2,),
+                     shared_prefix=1),
+    ev.RequestQueued(tenant="t", prompt_len=3, block_hashes=(), tokens=None),
+    ev.RequestStarted(plan="PrivateEndpoint", endpoint="e", reuse_base=9, target=12),
+    ev.PrefillCompleted(cursor=12, first_token=None),
+    ev.StopReached(reason="stop_token"),
+    ev.EndpointPublished(endpoint=EndpointFacts("e", "anchor", "t", "s", CP)),
+    ev.PublicationRefused(checkpoint=None, position=0, reason="nothing committed"),
+    ev.RequestFinished(prompt_tokens=3, completion_tokens=2, cached_tokens=1),
+    ev.RequestCancelled(at_state="Prefilling", completion_tokens=0),
+    ev.RequestPreempted(at_state="Active", frontier=7),
+    ev.RequestFailed(failure="interrupted", message="restart"),
+    ev.PlanFallback(candidate="e", position=4, reason="covers the whole prompt"),
+    ev.PrefillAdvanced(cursor=8),
+    ev.CheckpointCaptured(checkpoint=CP),
+    ev.TokensCommitted(tokens=(1, 2, 3), frontier=15, drafted=3, accepted=2),
+    ev.EndpointEvicted(endpoint="e", reason="capacity"),
+    ev.EndpointLost(endpoint="e", reason="tensors did not survive"),
+    ev.ServerStarted(mode=MTP, max_concurrency=2, max_endpoints=8, options={"a": 1}),
+]
+
+
+def test_samples_cover_every_kind():
+    assert {type(s).kind for s in SAMPLES} == set(ev.EVENT_TYPES)
+
+
+@pytest.mark.parametrize("event", SAMPLES, ids=lambda e: e.kind)
+def test_json_round_trip(event):
+    stamped = ev.with_envelope(event, 42, 1.5)
+    assert ev.from_row(*ev.to_row(stamped)) == stamped
+    full = dataclasses.replace(stamped, request="r1", conversation="c")
+    back = ev.from_row(*ev.to_row(full))
+    assert back == full and back.kind == event.kind
+
+
+def test_events_are_frozen():
+    with pytest.raises(AttributeError):
+        SAMPLES[2].reuse_base = 0
+
+
+def test_unknown_kind_names_the_seq():
+    with pytest.raises(ev.UnknownEventKind, match="seq 17"):
+        ev.from_row(17, 0.0, None, None, "RequestTeleported", "{}")
