@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -88,6 +89,8 @@ class Engine:
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.draft_hook: Callable[[Request], bool] | None = None
         self._cp_ids = itertools.count(1)
+        self._ids: set[str] = set()
+        self._ids_lock = threading.Lock()
         self.steps = 0
 
     # --- start-up and recovery ---------------------------------------------------------
@@ -100,6 +103,7 @@ class Engine:
                 self.store.apply(event)
                 if isinstance(event, ev.RequestQueued):
                     open_requests[event.request] = event.conversation
+                    self._ids.add(event.request)  # ids stay unique across restarts
                 elif event.kind in ev.TERMINAL_KINDS:
                     open_requests.pop(event.request, None)
             self.log.seq = self.journal.last_seq
@@ -129,9 +133,14 @@ class Engine:
     # --- commands (any thread) ---------------------------------------------------------
 
     def submit(self, command: Submit) -> None:
+        """Validate (ValueError says what is wrong) and enqueue. Any thread."""
         problem = self.validate(command)
         if problem:
             raise ValueError(problem)
+        with self._ids_lock:
+            if command.id in self._ids:
+                raise ValueError(f"request id {command.id} is already in use")
+            self._ids.add(command.id)
         self.commands.put(command)
 
     def cancel(self, request_id: str) -> None:
@@ -189,8 +198,6 @@ class Engine:
                     self._cancel(request)
 
     def _admit(self, c: Submit) -> None:
-        if c.id in self.requests:
-            raise ValueError(f"request id {c.id} is already in use")
         request = Request(
             id=c.id, prompt=c.prompt, session=c.session, tenant=c.tenant, log=self.log,
             mode=self.mode, params=c.params, boundaries=tuple(sorted(set(c.boundaries))),

@@ -169,7 +169,8 @@ class Runner:
             got = self.model.read_parts(lane, p, need_mtp)
         except MissingStatePart as exc:
             raise ReuseMismatch(f"restored checkpoint at {p}: {exc}") from exc
-        for name in ("attn_kv", "recurrent", "mtp_kv", "hidden"):
+        for name in ("attn_kv", "recurrent", "mtp_kv", "hidden") if self.mtp else (
+                "attn_kv", "recurrent"):
             if getattr(got, name) != getattr(ref, name):
                 raise ReuseMismatch(f"restored {name} at position {p} differs from a recomputation")
 

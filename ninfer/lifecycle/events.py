@@ -8,6 +8,7 @@ consumer (fold, journal check, timelines, redrive) needs each field.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import types
 import typing
@@ -184,51 +185,62 @@ TERMINAL_KINDS = frozenset({"RequestFinished", "RequestCancelled", "RequestFaile
 
 
 # --- JSON codec ---------------------------------------------------------------------------
+# Per-class field lists are computed once; encoding is shallow (tuples go to json as they
+# are) and decoding converts only the fields that need it (tuples, nested facts).
+
+_JSON = json.JSONEncoder(separators=(",", ":"))
 
 
-def _decoder(tp: Any):
-    """Build a function turning a JSON value back into a value of annotation `tp`."""
+def _converter(tp: Any):
+    """A function turning a JSON value back into annotation `tp`, or None if as-is."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         options = [a for a in typing.get_args(tp) if a is not type(None)]
-        inner = _decoder(options[0]) if len(options) == 1 else (lambda v: v)
-        return lambda v: None if v is None else inner(v)
+        inner = _converter(options[0]) if len(options) == 1 else None
+        return None if inner is None else (lambda v: None if v is None else inner(v))
     if origin is tuple:
         return tuple
     if dataclasses.is_dataclass(tp):
         hints = typing.get_type_hints(tp)
-        fields = {f.name: _decoder(hints[f.name]) for f in dataclasses.fields(tp)}
-        return lambda v: tp(**{k: fields[k](x) for k, x in v.items()})
-    return lambda v: v
+        convs = [(f.name, c) for f in dataclasses.fields(tp)
+                 if (c := _converter(hints[f.name])) is not None]
+
+        def build(v: dict) -> Any:
+            for name, conv in convs:
+                v[name] = conv(v[name])
+            return tp(**v)
+        return build
+    return None
 
 
-_DECODERS: dict[str, dict[str, Any]] = {}
+def _plain(value: Any) -> Any:
+    """Nested facts as dicts, without asdict's deep copies."""
+    if dataclasses.is_dataclass(value):
+        return {f: _plain(getattr(value, f)) for f in _field_names(type(value))}
+    return value
 
 
-def _decoders(cls: type[Event]) -> dict[str, Any]:
-    found = _DECODERS.get(cls.kind)
-    if found is None:
-        hints = typing.get_type_hints(cls)
-        found = {
-            f.name: _decoder(hints[f.name])
-            for f in dataclasses.fields(cls)
-            if f.name not in Event.ENVELOPE
-        }
-        _DECODERS[cls.kind] = found
-    return found
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.name not in Event.ENVELOPE)
 
 
-def _payload(ev: Event) -> dict[str, Any]:
-    out = {}
-    for name in _decoders(type(ev)):
-        value = getattr(ev, name)
-        out[name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
-    return out
+@functools.cache
+def _codec(cls: type[Event]) -> tuple[tuple[str, ...], tuple[tuple[str, Any], ...], bool]:
+    """(payload field names, converters for the fields that need one, any nested facts)."""
+    hints = typing.get_type_hints(cls)
+    names = _field_names(cls)
+    convs = tuple((n, c) for n in names if (c := _converter(hints[n])) is not None)
+    nested = any(dataclasses.is_dataclass(hints[n]) for n in names)
+    return names, convs, nested
 
 
 def to_json(ev: Event) -> str:
     """The payload of `ev` (everything but the envelope) as compact JSON."""
-    return json.dumps(_payload(ev), separators=(",", ":"))
+    names, _, nested = _codec(type(ev))
+    if nested:
+        return _JSON.encode({n: _plain(getattr(ev, n)) for n in names})
+    return _JSON.encode({n: getattr(ev, n) for n in names})
 
 
 def to_row(ev: Event) -> tuple:
@@ -241,8 +253,10 @@ def from_row(seq: int, time: float, request: str | None, conversation: str | Non
     cls = EVENT_TYPES.get(kind)
     if cls is None:
         raise UnknownEventKind(f"unknown event kind {kind!r} at seq {seq}")
-    decoders = _decoders(cls)
-    payload = {k: decoders[k](v) for k, v in json.loads(data).items()}
+    payload = json.loads(data)
+    for name, conv in _codec(cls)[1]:
+        if name in payload:
+            payload[name] = conv(payload[name])
     return cls(seq=seq, time=time, request=request, conversation=conversation, **payload)
 
 

@@ -42,7 +42,9 @@ def _v1(db: sqlite_utils.Database) -> None:
         {"seq": int, "time": float, "request": str, "conversation": str, "kind": str,
          "data": str}, pk="seq")
     events.create_index(["request"])
-    events.create_index(["conversation"])
+    # conversations are found through their RequestQueued rows; a full index costs appends
+    db.execute("CREATE INDEX idx_events_conversation ON events(conversation) "
+               "WHERE kind = 'RequestQueued'")
     db["meta"].create({"key": str, "value": str}, pk="key")
     for op in ("UPDATE", "DELETE"):
         db.execute(f"CREATE TRIGGER events_refuse_{op.lower()} BEFORE {op} ON events "
@@ -231,10 +233,15 @@ class Journal:
                 raise
         self._last_seq = events[-1].seq
 
-    def read(self, start_seq: int = 1) -> Iterator[Event]:
-        """The events with seq >= start_seq in seq order, streamed from a cursor."""
+    def read(self, start_seq: int = 1, kinds: Sequence[str] | None = None) -> Iterator[Event]:
+        """The events with seq >= start_seq in seq order, streamed from a cursor; only those
+        of `kinds` when given (the store's fold reads only the kinds it folds)."""
+        sql, params = _SELECT, [start_seq]
+        if kinds is not None:
+            sql = sql.replace(" ORDER BY", f" AND kind IN ({','.join('?' * len(kinds))}) ORDER BY")
+            params.extend(kinds)
         with self._errors("reading events"):
-            cursor = self._conn.execute(_SELECT, (start_seq,))
+            cursor = self._conn.execute(sql, params)
             while rows := cursor.fetchmany(1024):
                 for row in rows:
                     try:

@@ -174,6 +174,11 @@ class ContinuationStore:
             store.apply(event)
         return store
 
+    @classmethod
+    def from_journal(cls, journal) -> ContinuationStore:
+        """Replay: the fold of the journal's events (only the kinds the fold reads)."""
+        return cls.replay(journal.read(kinds=FOLD_KINDS))
+
 
 _HANDLERS = {
     ev.ServerStarted: ContinuationStore._server_started,
@@ -182,3 +187,5 @@ _HANDLERS = {
     ev.EndpointEvicted: ContinuationStore._removed,
     ev.EndpointLost: ContinuationStore._removed,
 }
+
+FOLD_KINDS = tuple(cls.kind for cls in _HANDLERS)

@@ -99,6 +99,19 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.h.step()
 
     @precondition(lambda self: self.h is not None and any(
+        r.session in self.last for r in self._live()))
+    @rule(data=st.data(), steps=st.integers(0, 3))
+    def cancel_then_retry(self, data, steps):
+        """The seed's client: cut a request, send the same messages again at once."""
+        request = data.draw(st.sampled_from([r for r in self._live() if r.session in self.last]),
+                            label="request")
+        self.h.engine.cancel(request.id)
+        self.h.step()
+        self._submit(request.session, request.prompt, request.params.max_tokens,
+                     boundaries=request.boundaries)
+        self.h.step(steps)
+
+    @precondition(lambda self: self.h is not None and any(
         r.state == "Active" for r in self._live()))
     @rule(data=st.data())
     def cancel_between_draft_and_verify(self, data):

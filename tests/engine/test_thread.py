@@ -1,0 +1,65 @@
+"""One engine thread owns everything; client threads only submit and cancel."""
+
+import random
+import threading
+
+import pytest
+
+from ninfer.engine.engine import EngineConfig, Submit
+from ninfer.engine.thread import EngineThread
+from ninfer.lifecycle.checks import JournalChecker
+from ninfer.lifecycle.request import SamplingParams
+from ninfer.testing.harness import Harness
+
+
+def test_clients_on_many_threads_submit_and_cancel():
+    h = Harness(EngineConfig(spec="mtp", max_concurrency=3, prefill_chunk=4))
+    h.engine.log.listeners.clear()   # the checker reads the journal afterwards instead
+    runner = EngineThread(h.engine).start()
+    handles, lock = {}, threading.Lock()
+
+    def client(n):
+        rng = random.Random(n)
+        for i in range(4):
+            prompt = tuple(rng.randrange(97) for _ in range(rng.randrange(5, 40)))
+            rid = f"c{n}-{i}"
+            handle = runner.submit(Submit(rid, prompt, f"s{n}", "t", SamplingParams(8)))
+            with lock:
+                handles[rid] = (handle, prompt)
+            if i % 2:
+                runner.cancel(rid)
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for rid, (handle, prompt) in handles.items():
+        outcome = handle.wait(10)
+        assert outcome is not None, f"{rid} never ended"
+        assert outcome.kind in ("RequestFinished", "RequestCancelled")
+        if outcome.kind == "RequestFinished":
+            assert h.engine.requests[rid].outputs == h.engine.model.reference_generate(prompt, 8)
+    runner.stop()
+    assert runner.error is None
+    assert sum(o.kind == "RequestCancelled" for o in (x.outcome for x, _ in handles.values()))
+    JournalChecker().feed_all(h.journal.read())
+    h.engine.check_integrity()
+
+
+def test_invalid_requests_are_refused_before_admission():
+    h = Harness(EngineConfig())
+    runner = EngineThread(h.engine).start()
+    bad = [Submit("a", (), "s", "t", SamplingParams()),
+           Submit("b", (1, 500), "s", "t", SamplingParams()),
+           Submit("c", (1, 2), "s", "t", SamplingParams(max_tokens=0)),
+           Submit("d", (1, 2), "s", "t", SamplingParams(), boundaries=(5,))]
+    for command in bad:
+        with pytest.raises(ValueError):
+            runner.submit(command)
+    ok = runner.submit(Submit("e", (1, 2), "s", "t", SamplingParams(2)))
+    assert ok.wait(5).kind == "RequestFinished"
+    with pytest.raises(ValueError):
+        runner.submit(Submit("e", (1, 2), "s", "t", SamplingParams(2)))
+    runner.stop()
+    assert [e.request for e in h.journal.read() if e.kind == "RequestQueued"] == ["e"]
