@@ -31,7 +31,7 @@ def run_stateful(*, minutes: float, max_examples: int, seed: int | None) -> int:
     rng = random.SystemRandom()
     rounds = 0
     with tqdm(total=int(minutes * 60), unit="s", desc="fuzz stateful",
-              bar_format="{desc}: {bar} {n_fmt}/{total_fmt}s {postfix}") as bar:
+              bar_format="{desc}: {bar} {n_fmt}/{total_fmt}s{postfix}") as bar:
         while time.monotonic() < deadline:
             round_seed = rng.randrange(2**32)
             started = time.monotonic()

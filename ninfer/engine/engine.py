@@ -97,6 +97,7 @@ class Engine:
 
     def recover(self) -> None:
         """Fold the journal, close what a crash left open, then announce this server."""
+        self.model.synchronize()  # a (re)starting server has no work in flight
         open_requests: dict[str, str | None] = {}
         if self.journal is not None:
             for event in self.journal.read():
@@ -167,8 +168,9 @@ class Engine:
         """One engine step; returns the events it committed."""
         self.steps += 1
         self._drain_commands()
-        for live in [x for x in self.live.values() if x.request.state == "Finishable"]:
-            self._guarded(live, self._finish)
+        finishing = [x for x in self.live.values() if x.request.state == "Finishable"]
+        for live in finishing:
+            self._guarded(live, self._catch_up)
         self._evict_over_capacity()
         self._schedule()
         for live in list(self.live.values()):
@@ -178,6 +180,10 @@ class Engine:
                 self._guarded(live, self._prefill_step)
             elif live.request.state == "Active":
                 self._guarded(live, self._decode_round)
+        self.model.synchronize()  # the step commits: its device work has completed
+        for live in finishing:  # a turn's state is published once it is complete and fenced
+            if self.live.get(live.request.id) is live:
+                self._guarded(live, lambda x: self._leave(x, "finish"))
         self._reconcile()
         return self.log.flush()
 
@@ -417,13 +423,13 @@ class Engine:
             request.stop_reason = reason
             machine.fire(request, "stop")
 
-    def _finish(self, live: Live) -> None:
-        request = live.request
-        if self.runner.mtp:  # the MTP layer catches up before the turn's state is published
+    def _catch_up(self, live: Live) -> None:
+        """The MTP layer catches up before a finished turn's state is published."""
+        if self.runner.mtp:
+            request = live.request
             self.runner.mtp_catch_up(live.lane, request.sequence, request.cursor - 1)
             for held in live.captures:
                 self.runner.extend(held, live.lane)
-        self._leave(live, "finish")
 
     # --- leaving: finish, cancel, preempt, fail ------------------------------------------
 

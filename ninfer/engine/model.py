@@ -21,6 +21,7 @@ class Lane:
     attn_blocks: list[int] = field(default_factory=list)
     mtp_blocks: list[int] = field(default_factory=list)
     mtp_valid: int = 0                 # MTP KV covers [0, mtp_valid)
+    fence: int = 0                     # Model.fence() after the lane's last launched work
     # main-model hidden states at positions the MTP layer has not consumed yet, plus the
     # one at frontier-1 (a checkpoint's "last hidden state")
     hidden: dict[int, Any] = field(default_factory=dict)
@@ -83,5 +84,11 @@ class Model(Protocol):
     def reference_parts(self, tokens: Sequence[int], mtp: bool) -> Parts:
         """Recompute the parts at len(tokens) from scratch."""
 
-    def fence_done(self) -> bool:
-        """The device work launched so far has completed."""
+    def fence(self) -> int:
+        """A marker for the device work launched so far."""
+
+    def completed(self, marker: int) -> bool:
+        """The work launched up to `marker` has completed (the predicate's fence)."""
+
+    def synchronize(self) -> None:
+        """Wait for all launched work (the engine does at every step's commit)."""

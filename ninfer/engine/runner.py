@@ -30,7 +30,7 @@ class Held:
     slot: int
     hidden_at: int | None
     role: str
-    fenced: bool = True
+    fence: int = 0       # Model.fence() when its parts were last written
     _hashes: tuple[int, ...] = field(default=(), repr=False)
 
     def facts(self, mode: Mode, model: Model, journal_tokens: bool) -> CheckpointFacts:
@@ -41,7 +41,7 @@ class Held:
             prefix_hash=prefix_hash(self.tokens, self.position, self._hashes),
             attn_kv=self.position, recurrent_at=self.position,
             mtp_kv=min(self.mtp_kv, max(self.position - 1, 0)), hidden_at=self.hidden_at,
-            fenced=self.fenced, model=model.identity, dtypes=model.dtypes,
+            fenced=model.completed(self.fence), model=model.identity, dtypes=model.dtypes,
             tokens=self.tokens if journal_tokens else None)
 
 
@@ -102,7 +102,7 @@ class Runner:
         return Held(cp_id, p, tuple(tokens), self._share(lane.attn_blocks, p),
                     self._share(lane.mtp_blocks, min(lane.mtp_valid, p - 1)),
                     min(lane.mtp_valid, p - 1), slot, self._hidden_at(lane, p), role,
-                    self.model.fence_done())
+                    self.model.fence())
 
     def extend(self, held: Held, lane: Lane) -> None:
         """The MTP layer caught up: a capture of this lane now covers more MTP KV."""
@@ -114,6 +114,7 @@ class Runner:
             self.blocks.incref(block)
             held.mtp_blocks.append(block)
         held.mtp_kv = upto
+        held.fence = lane.fence
 
     def hand_over(self, lane: Lane, cp_id: str, tokens: Sequence[int]) -> Held:
         """The lane's own storage becomes the frontier checkpoint (the request is leaving)."""
@@ -124,7 +125,7 @@ class Runner:
         self.blocks.release(lane.mtp_blocks[keep_m:])
         held = Held(cp_id, p, tuple(tokens), lane.attn_blocks[:keep_a], lane.mtp_blocks[:keep_m],
                     min(lane.mtp_valid, p - 1), lane.slot, self._hidden_at(lane, p), "frontier",
-                    self.model.fence_done())
+                    lane.fence)
         lane.attn_blocks, lane.mtp_blocks, lane.slot = [], [], -1
         return held
 
@@ -146,6 +147,7 @@ class Runner:
             lane.mtp_valid = mtp_kv
             hidden = self.model.load_hidden(lane.slot)
             lane.hidden = {p - 1: hidden} if hidden is not None else {}
+        lane.fence = self.model.fence()
         if check:
             self.check_reuse(lane, held.tokens[:p])
 
@@ -178,10 +180,12 @@ class Runner:
 
     def init_root(self, lane: Lane) -> None:
         self.model.init_slot(lane)
+        lane.fence = self.model.fence()
 
     def prefill(self, lane: Lane, seq: Sequence[int], start: int, end: int) -> int:
         """Feed seq[start:end]; return the greedy token after position end-1."""
         out = self.model.forward(lane, seq[start:end], start)
+        lane.fence = self.model.fence()
         last_hidden = out.hidden[-1] if self.mtp else None
         self.model.accept(lane, out.states[-1], last_hidden)
         if self.mtp:
@@ -199,6 +203,7 @@ class Runner:
                 raise MissingStatePart(f"main hidden state at {pos} is missing for the MTP layer")
             last = self.model.mtp(lane, pos, hidden, seq[pos + 1])
             lane.mtp_valid = pos + 1
+            lane.fence = self.model.fence()
         for pos in [q for q in lane.hidden if q < lane.mtp_valid and q != upto - 1]:
             del lane.hidden[pos]
         return last
@@ -223,6 +228,7 @@ class Runner:
 
     def verify(self, lane: Lane, pending: int, drafts: list[int], frontier: int) -> Round:
         out = self.model.forward(lane, [pending, *drafts], frontier)
+        lane.fence = self.model.fence()
         accepted = accept_greedy(drafts, out.greedy)
         return Round(drafts[:accepted] + [out.greedy[accepted]], len(drafts), accepted, out)
 
@@ -239,7 +245,9 @@ class Runner:
             self.mtp_catch_up(lane, seq, frontier + count - 1)
 
     def discard_round(self, lane: Lane, frontier: int) -> None:
-        """A round cut between draft and verify: drafted MTP entries are not valid."""
+        """A round cut between draft and verify: wait for the drafts in flight, then drop
+        them (entries written while drafting are not valid)."""
+        self.model.synchronize()
         lane.mtp_valid = min(lane.mtp_valid, frontier)
 
 

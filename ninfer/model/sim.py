@@ -47,6 +47,7 @@ class SimModel:
         self.kv: list[list] = [[None] * block_size for _ in range(num_blocks)]
         self.slots: list = [None] * num_slots          # recurrent state + conv tail
         self.hidden_slots: list = [None] * num_slots   # last hidden state (MTP only)
+        self._launched = self._completed = 0
 
     # --- arithmetic -----------------------------------------------------------------------
 
@@ -86,6 +87,7 @@ class SimModel:
     # --- the protocol ----------------------------------------------------------------------
 
     def forward(self, lane: Lane, tokens: Sequence[int], start: int) -> Forward:
+        self._launched += 1
         state = self._slot(lane)
         s = 0
         for pos in range(start):
@@ -112,6 +114,7 @@ class SimModel:
         self.slots[lane.slot] = self._initial()
 
     def mtp(self, lane: Lane, position: int, hidden: tuple, next_token: int) -> tuple[int, tuple]:
+        self._launched += 1
         entry = mix(MTP_TAG, mix(_hash_hidden(hidden), next_token))
         self._write(lane.mtp_blocks, position, entry)
         m = 0
@@ -128,14 +131,24 @@ class SimModel:
         return draft, out
 
     def copy_slot(self, src: int, dst: int) -> None:
+        self._launched += 1
         self.slots[dst] = self.slots[src]
         self.hidden_slots[dst] = self.hidden_slots[src]
 
     def copy_block(self, src: int, dst: int, n: int) -> None:
+        self._launched += 1
         self.kv[dst][:n] = self.kv[src][:n]
 
-    def fence_done(self) -> bool:
-        return True  # SimModel's work completes when its step commits
+    # Work "launches" with each call and completes at synchronize(), which the engine calls
+    # when a step commits: parts written in the step in flight are not fenced yet.
+    def fence(self) -> int:
+        return self._launched
+
+    def completed(self, marker: int) -> bool:
+        return marker <= self._completed
+
+    def synchronize(self) -> None:
+        self._completed = self._launched
 
     # --- exactness ------------------------------------------------------------------------
 

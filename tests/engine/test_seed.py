@@ -147,3 +147,30 @@ def test_a_weakened_predicate_reproduces_the_seed(monkeypatch):
         assert h.request(rid).state == "Failed"
         failed = _events(h, "RequestFailed", rid)[0]
         assert failed.failure == "internal" and "missing" in failed.message
+
+
+def test_parts_written_in_the_step_in_flight_are_not_fenced():
+    """The newest lane runs out of blocks and preempts an older one that has already
+    worked in this step: its parts are not fenced yet, so nothing of it is published."""
+    h = Harness(EngineConfig(spec="mtp", prefill_chunk=8, max_concurrency=2, check_reuse=True),
+                num_blocks=44, num_slots=16)
+    a = h.submit(PROMPT, "a", max_tokens=12)
+    b = h.submit(PROMPT[::-1], "b", max_tokens=12)
+    h.run()
+    h.check()
+    preempted = _events(h, "RequestPreempted")
+    assert [e.request for e in preempted] == [a]
+    refused = _events(h, "PublicationRefused", a)
+    assert refused and all("device work" in e.reason for e in refused)
+    for rid, prompt in ((a, PROMPT), (b, PROMPT[::-1])):
+        assert h.request(rid).outputs == h.engine.model.reference_generate(prompt, 12)
+
+
+def test_a_capture_is_fenced_once_its_step_commits():
+    h = _harness()
+    h.submit(PROMPT, "s", max_tokens=4)
+    h.step(2)
+    captured = _events(h, "CheckpointCaptured")
+    assert captured and not captured[-1].checkpoint.fenced  # captured mid-step
+    live = next(iter(h.engine.live.values()))
+    assert all(h.engine._facts(held).fenced for held in live.captures)
