@@ -213,34 +213,44 @@ def _converter(tp: Any):
     return None
 
 
-def _plain(value: Any) -> Any:
-    """Nested facts as dicts, without asdict's deep copies."""
-    if dataclasses.is_dataclass(value):
-        return {f: _plain(getattr(value, f)) for f in _field_names(type(value))}
-    return value
-
-
 @functools.cache
 def _field_names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls) if f.name not in Event.ENVELOPE)
 
 
 @functools.cache
-def _codec(cls: type[Event]) -> tuple[tuple[str, ...], tuple[tuple[str, Any], ...], bool]:
-    """(payload field names, converters for the fields that need one, any nested facts)."""
+def _nested(cls: type) -> frozenset[str]:
+    """Fields of `cls` holding nested facts (dataclasses)."""
     hints = typing.get_type_hints(cls)
-    names = _field_names(cls)
-    convs = tuple((n, c) for n in names if (c := _converter(hints[n])) is not None)
-    nested = any(dataclasses.is_dataclass(hints[n]) for n in names)
-    return names, convs, nested
+    return frozenset(n for n in _field_names(cls) if dataclasses.is_dataclass(hints[n]))
+
+
+def _plain(value: Any) -> dict[str, Any]:
+    """Nested facts as a dict, without asdict's deep copies."""
+    return _as_dict(value, _nested(type(value)))
+
+
+def _as_dict(obj: Any, nested: frozenset[str]) -> dict[str, Any]:
+    out = {}
+    for n in _field_names(type(obj)):
+        v = getattr(obj, n)
+        out[n] = _plain(v) if n in nested else v
+    return out
+
+
+@functools.cache
+def _converters(cls: type[Event]) -> tuple[tuple[str, Any], ...]:
+    hints = typing.get_type_hints(cls)
+    return tuple((n, c) for n in _field_names(cls) if (c := _converter(hints[n])) is not None)
 
 
 def to_json(ev: Event) -> str:
     """The payload of `ev` (everything but the envelope) as compact JSON."""
-    names, _, nested = _codec(type(ev))
+    cls = type(ev)
+    nested = _nested(cls)
     if nested:
-        return _JSON.encode({n: _plain(getattr(ev, n)) for n in names})
-    return _JSON.encode({n: getattr(ev, n) for n in names})
+        return _JSON.encode(_as_dict(ev, nested))
+    return _JSON.encode({n: getattr(ev, n) for n in _field_names(cls)})
 
 
 def to_row(ev: Event) -> tuple:
@@ -254,7 +264,7 @@ def from_row(seq: int, time: float, request: str | None, conversation: str | Non
     if cls is None:
         raise UnknownEventKind(f"unknown event kind {kind!r} at seq {seq}")
     payload = json.loads(data)
-    for name, conv in _codec(cls)[1]:
+    for name, conv in _converters(cls):
         if name in payload:
             payload[name] = conv(payload[name])
     return cls(seq=seq, time=time, request=request, conversation=conversation, **payload)
