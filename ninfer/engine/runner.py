@@ -3,7 +3,7 @@ the storage of checkpoints (capture, hand-over, restore, release) over the pools
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..lifecycle.facts import CheckpointFacts, Mode
@@ -250,5 +250,3 @@ class Runner:
         self.model.synchronize()
         lane.mtp_valid = min(lane.mtp_valid, frontier)
 
-
-DraftHook = Callable[[object], bool]
