@@ -1,0 +1,108 @@
+"""Sampling from logits: penalties, temperature, top-k / top-p / min-p, seeded draws, top-n
+logprobs, and speculative acceptance (greedy, or rejection sampling that keeps the target
+model's distribution exactly)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingConfig:
+    temperature: float = 0.0          # 0: greedy
+    top_k: int = 0                    # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def apply_penalties(logits: torch.Tensor, history: Sequence[int], cfg: SamplingConfig
+                    ) -> torch.Tensor:
+    """OpenAI's presence / frequency penalties over the tokens generated so far.
+    logits: [V] or [N, V] (the same history for every row)."""
+    if not history or (cfg.presence_penalty == 0.0 and cfg.frequency_penalty == 0.0):
+        return logits
+    ids, counts = torch.tensor(list(history)).unique(return_counts=True)
+    penalty = cfg.frequency_penalty * counts.to(logits.dtype) + cfg.presence_penalty
+    out = logits.clone()
+    out[..., ids] -= penalty
+    return out
+
+
+def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """The distribution a token is drawn from: temperature, then top-k, top-p and min-p
+    filters (renormalised). logits: [..., V] -> probs [..., V], float64 for exactness."""
+    logits = logits.to(torch.float64)
+    if cfg.greedy:
+        out = torch.zeros_like(logits)
+        out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return out
+    probs = torch.softmax(logits / cfg.temperature, dim=-1)
+    if cfg.top_k > 0 and cfg.top_k < probs.shape[-1]:
+        kth = probs.topk(cfg.top_k, dim=-1).values[..., -1:]
+        probs = torch.where(probs >= kth, probs, 0.0)
+    if cfg.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each token
+        keep_sorted = before < cfg.top_p * sorted_p.sum(-1, keepdim=True)
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = torch.where(keep, probs, 0.0)
+    if cfg.min_p > 0.0:
+        floor = cfg.min_p * probs.amax(-1, keepdim=True)
+        probs = torch.where(probs >= floor, probs, 0.0)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from probs [V]."""
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def top_logprobs(logits: torch.Tensor, n: int) -> list[tuple[int, float]]:
+    """The n most likely tokens with their log-probabilities (of the unfiltered model)."""
+    logp = torch.log_softmax(logits.to(torch.float64), dim=-1)
+    values, ids = logp.topk(n)
+    return [(int(i), float(v)) for i, v in zip(ids, values, strict=True)]
+
+
+def accept_drafts(drafts: Sequence[int], target: torch.Tensor, draft: torch.Tensor | None,
+                  cfg: SamplingConfig, generator: torch.Generator | None
+                  ) -> tuple[int, int]:
+    """Speculative acceptance. target: probs [k+1, V] of the verifier at [pending, d1..dk];
+    draft: probs [k, V] the drafter drew d1..dk from (None for a deterministic drafter such
+    as n-gram lookup, whose proposal is a point mass). Returns (accepted, next token).
+
+    Greedy: accept while the draft is the target's argmax; the next token is the argmax.
+    Otherwise rejection sampling: accept d_i with probability min(1, p(d_i) / q(d_i)); at
+    the first rejection draw from norm(max(0, p - q)); after k acceptances draw the bonus
+    token from p. The tokens produced are distributed exactly as the target's."""
+    k = len(drafts)
+    for i, token in enumerate(drafts):
+        p = target[i]
+        q = draft[i] if draft is not None else _point_mass(token, p)
+        if cfg.greedy:
+            if int(p.argmax()) != token:
+                return i, int(p.argmax())
+            continue
+        ratio = float(p[token] / q[token]) if q[token] > 0 else 0.0
+        u = float(torch.rand((), generator=generator, dtype=torch.float64))
+        if u >= min(1.0, ratio):
+            residual = torch.clamp(p - q, min=0.0)
+            total = residual.sum()
+            return i, draw(residual / total if total > 0 else p, generator)
+    return k, int(target[k].argmax()) if cfg.greedy else draw(target[k], generator)
+
+
+def _point_mass(token: int, like: torch.Tensor) -> torch.Tensor:
+    q = torch.zeros_like(like)
+    q[token] = 1.0
+    return q

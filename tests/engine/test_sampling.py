@@ -1,0 +1,76 @@
+"""Sampling and speculative acceptance: filters do what they say; rejection sampling keeps
+the target distribution (checked statistically on a small vocabulary)."""
+
+import pytest
+import torch
+
+from ninfer.engine.sampling import (
+    SamplingConfig,
+    accept_drafts,
+    apply_penalties,
+    probabilities,
+    top_logprobs,
+)
+
+LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0], dtype=torch.float64)
+
+
+def test_greedy_is_a_point_mass_on_the_argmax():
+    p = probabilities(LOGITS, SamplingConfig())
+    assert p.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_top_k_top_p_min_p_cut_the_tail():
+    assert (probabilities(LOGITS, SamplingConfig(temperature=1.0, top_k=2)) > 0).sum() == 2
+    full = torch.softmax(LOGITS, -1)
+    p = probabilities(LOGITS, SamplingConfig(temperature=1.0, top_p=float(full[0]) + 1e-6))
+    assert (p > 0).tolist() == [True, True, False, False, False]
+    p = probabilities(LOGITS, SamplingConfig(temperature=1.0, min_p=0.3))
+    assert (p > 0).tolist() == (full >= 0.3 * full.max()).tolist()
+    assert torch.allclose(p.sum(), torch.tensor(1.0, dtype=torch.float64))
+
+
+def test_temperature_sharpens():
+    hot = probabilities(LOGITS, SamplingConfig(temperature=2.0))
+    cold = probabilities(LOGITS, SamplingConfig(temperature=0.5))
+    assert cold[0] > hot[0]
+
+
+def test_penalties_lower_seen_tokens():
+    out = apply_penalties(LOGITS, [1, 1, 3], SamplingConfig(presence_penalty=0.5,
+                                                            frequency_penalty=0.25))
+    assert out.tolist() == pytest.approx([2.0, 1.0 - 1.0, 0.5, -0.75, -1.0])
+
+
+def test_top_logprobs_are_sorted_log_probabilities():
+    top = top_logprobs(LOGITS, 2)
+    assert [t for t, _ in top] == [0, 1]
+    assert top[0][1] == pytest.approx(float(torch.log_softmax(LOGITS, -1)[0]))
+
+
+def test_greedy_acceptance_is_the_longest_agreeing_prefix():
+    target = torch.eye(5, dtype=torch.float64)[[2, 4, 1, 3]]  # argmax 2, 4, 1, 3
+    assert accept_drafts([2, 4, 0], target, None, SamplingConfig(), None) == (2, 1)
+    assert accept_drafts([2, 4, 1], target, None, SamplingConfig(), None) == (3, 3)
+    assert accept_drafts([0], target[:2], None, SamplingConfig(), None) == (0, 2)
+
+
+@pytest.mark.parametrize("deterministic_drafter", [False, True])
+def test_rejection_sampling_keeps_the_target_distribution(deterministic_drafter):
+    """The first produced token is distributed as the target's p, whatever the drafter."""
+    cfg = SamplingConfig(temperature=1.0)
+    p = torch.tensor([0.5, 0.2, 0.2, 0.1], dtype=torch.float64)
+    q = torch.tensor([0.1, 0.6, 0.1, 0.2], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(7)
+    counts = torch.zeros(4)
+    n = 20_000
+    for _ in range(n):
+        if deterministic_drafter:
+            d, qd = 1, None
+        else:
+            d = int(torch.multinomial(q, 1, generator=gen))
+            qd = q[None]
+        accepted, nxt = accept_drafts([d], torch.stack([p, p]), qd, cfg, gen)
+        counts[d if accepted else nxt] += 1
+    freq = counts / n
+    assert torch.allclose(freq, p.float(), atol=0.015), freq

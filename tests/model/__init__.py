@@ -1,0 +1,1 @@
+"""Tests of the torch model, its config and the GDN reference kernels."""
