@@ -27,7 +27,7 @@ from ..lifecycle.store import ContinuationStore
 from .model import Lane, MissingStatePart, Model
 from .pools import BlockPool, OutOfMemory, SlotPool
 from .runner import Held, ReuseMismatch, Runner
-from .speculative import truncate
+from .speculative import AdaptiveDraft, truncate
 
 log = logging.getLogger("ninfer.engine")
 
@@ -67,6 +67,7 @@ class Live:
 
     request: Request
     lane: Lane
+    drafting: AdaptiveDraft
     captures: list[Held] = field(default_factory=list)
 
 
@@ -244,7 +245,7 @@ class Engine:
             return False
         if self.slots.free == 0 and not self._evict_one():
             return False
-        live = Live(request, self.runner.new_lane())
+        live = Live(request, self.runner.new_lane(), AdaptiveDraft(self.config.draft_tokens))
 
         def usable(endpoint: EndpointFacts) -> str | None:
             held = self.held.get(endpoint.checkpoint.id)
@@ -388,7 +389,7 @@ class Engine:
         frontier = request.cursor
         room = min(request.params.max_tokens - len(request.outputs),
                    self.config.max_context - frontier - 1)
-        k = min(self.config.draft_tokens, room - 1) if self.mode.spec != "none" else 0
+        k = min(live.drafting.next_k(), room - 1) if self.mode.spec != "none" else 0
         mtp_upto = frontier + max(k, 1) if self.runner.mtp else 0
         if not self._reserve(live, frontier + k + 1, mtp_upto):
             return
@@ -402,6 +403,7 @@ class Engine:
             self._cancel(request)
             return
         rnd = self.runner.verify(lane, seq[-1], drafts, frontier)
+        live.drafting.observe(rnd.drafted, rnd.accepted)
         count, reason = truncate(rnd.new_tokens, room, request.params.stop_tokens)
         committed = tuple(rnd.new_tokens[:count])
         request.outputs.extend(committed)

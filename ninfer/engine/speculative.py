@@ -40,3 +40,35 @@ def truncate(new_tokens: list[int], room: int,
     if len(new_tokens) >= room:
         return room, "max_tokens"
     return len(new_tokens), None
+
+
+class AdaptiveDraft:
+    """How many tokens to draft next, per request, from the acceptance seen so far.
+
+    Drafting k tokens costs a verify of k+1 positions; when drafts are rejected that is
+    waste. The length follows an exponential average of the accepted fraction; below
+    `pause_below` drafting pauses for `pause_rounds` plain steps, then probes with one
+    draft token, so a drafter that never agrees costs one probe in `pause_rounds + 1`
+    rounds."""
+
+    def __init__(self, max_tokens: int, *, alpha: float = 0.5, pause_below: float = 0.15,
+                 pause_rounds: int = 32) -> None:
+        self.max_tokens, self.alpha = max_tokens, alpha
+        self.pause_below, self.pause_rounds = pause_below, pause_rounds
+        self.rate = 0.6          # optimistic start: draft fully at first
+        self.paused = 0
+
+    def next_k(self) -> int:
+        if self.max_tokens <= 0:
+            return 0
+        if self.paused > 0:
+            self.paused -= 1
+            return 1 if self.paused == 0 else 0
+        return max(1, min(self.max_tokens, round(self.max_tokens * min(1.0, self.rate * 1.5))))
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        self.rate = (1 - self.alpha) * self.rate + self.alpha * (accepted / drafted)
+        if self.rate < self.pause_below:
+            self.paused = self.pause_rounds
