@@ -24,6 +24,7 @@ from ..lifecycle.facts import EndpointFacts, Mode
 from ..lifecycle.request import Request, SamplingParams
 from ..lifecycle.salvage import Candidate
 from ..lifecycle.store import ContinuationStore
+from .choice import Choice, make_choice
 from .model import Lane, MissingStatePart, Model
 from .pools import BlockPool, OutOfMemory, SlotPool
 from .runner import Held, ReuseMismatch, Runner
@@ -68,6 +69,7 @@ class Live:
     request: Request
     lane: Lane
     drafting: AdaptiveDraft
+    choice: Choice
     captures: list[Held] = field(default_factory=list)
 
 
@@ -245,7 +247,8 @@ class Engine:
             return False
         if self.slots.free == 0 and not self._evict_one():
             return False
-        live = Live(request, self.runner.new_lane(), AdaptiveDraft(self.config.draft_tokens))
+        live = Live(request, self.runner.new_lane(), AdaptiveDraft(self.config.draft_tokens),
+                    make_choice(request.params, request.outputs))
 
         def usable(endpoint: EndpointFacts) -> str | None:
             held = self.held.get(endpoint.checkpoint.id)
@@ -319,18 +322,16 @@ class Engine:
             for held in live.captures:
                 self.runner.extend(held, lane)
         if end > start:
-            token = self.runner.prefill(lane, seq, start, end)
+            greedy, logits = self.runner.prefill(lane, seq, start, end)
             request.cursor = end
             request.emit(ev.PrefillAdvanced, cursor=end)
             self._capture_at(live, end)
-        else:
-            token = None
         if request.cursor == request.target:
             first = None
-            if not request.outputs:
-                first = token
-                request.outputs.append(token)
-                request.emit(ev.TokensCommitted, tokens=(token,), frontier=request.cursor)
+            if not request.outputs:  # a fresh request: end > start always (reuse < target)
+                first = live.choice.next(greedy, logits)
+                request.outputs.append(first)
+                request.emit(ev.TokensCommitted, tokens=(first,), frontier=request.cursor)
             machine.fire(request, "prefilled", first_token=first)
             self._check_stop(request, None)
 
@@ -394,7 +395,7 @@ class Engine:
         if not self._reserve(live, frontier + k + 1, mtp_upto):
             return
         seq = request.sequence
-        drafts = self.runner.draft(lane, seq, frontier, k)
+        drafts, probs = self.runner.draft(lane, seq, frontier, k, live.choice)
         if self.runner.mtp:
             for held in live.captures:
                 self.runner.extend(held, lane)
@@ -402,7 +403,7 @@ class Engine:
             self.runner.discard_round(lane, frontier)
             self._cancel(request)
             return
-        rnd = self.runner.verify(lane, seq[-1], drafts, frontier)
+        rnd = self.runner.verify(lane, seq[-1], drafts, probs, frontier, live.choice)
         live.drafting.observe(rnd.drafted, rnd.accepted)
         count, reason = truncate(rnd.new_tokens, room, request.params.stop_tokens)
         committed = tuple(rnd.new_tokens[:count])

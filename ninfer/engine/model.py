@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 
 class MissingStatePart(RuntimeError):
@@ -34,6 +34,16 @@ class Forward:
     greedy: list[int]          # greedy next token after each position
     hidden: list[Any]          # main hidden state at each position
     states: list[Any]          # recurrent state after each position (kept for rollback)
+    logits: Any = None         # [n, V] when the model has logits (SimModel has none)
+
+
+class MtpOut(NamedTuple):
+    """One MTP forward: its greedy draft, its output hidden state (for chaining) and, when
+    the model has them, its logits [V] (a sampled draft is drawn from them)."""
+
+    token: int
+    hidden: Any
+    logits: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +77,7 @@ class Model(Protocol):
     def load_hidden(self, slot: int) -> Any:
         """The last hidden state stored in `slot` (None if none)."""
 
-    def mtp(self, lane: Lane, position: int, hidden: Any, next_token: int) -> tuple[int, Any]:
+    def mtp(self, lane: Lane, position: int, hidden: Any, next_token: int) -> MtpOut:
         """MTP forward at `position` from `hidden` and the embedding of `next_token`: write
         its MTP KV entry, attend over MTP KV [0, position]; return (draft of the token
         after next_token, MTP output hidden for chaining)."""

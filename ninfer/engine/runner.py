@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 
 from ..lifecycle.facts import CheckpointFacts, Mode
 from ..lifecycle.hashing import block_hashes, prefix_hash
-from .model import Lane, MissingStatePart, Model
+from .choice import Choice
+from .model import Lane, MissingStatePart, Model, MtpOut
 from .pools import BlockPool, OutOfMemory, SlotPool
-from .speculative import accept_greedy, ngram_draft
+from .speculative import ngram_draft
 
 
 class ReuseMismatch(AssertionError):
@@ -182,8 +183,10 @@ class Runner:
         self.model.init_slot(lane)
         lane.fence = self.model.fence()
 
-    def prefill(self, lane: Lane, seq: Sequence[int], start: int, end: int) -> int:
-        """Feed seq[start:end]; return the greedy token after position end-1."""
+    def prefill(self, lane: Lane, seq: Sequence[int], start: int, end: int
+                ) -> tuple[int, object]:
+        """Feed seq[start:end]; return the greedy token after position end-1 and the
+        logits there (None for a model without logits)."""
         out = self.model.forward(lane, seq[start:end], start)
         lane.fence = self.model.fence()
         last_hidden = out.hidden[-1] if self.mtp else None
@@ -191,9 +194,9 @@ class Runner:
         if self.mtp:
             for i, h in enumerate(out.hidden):
                 lane.hidden[start + i] = h
-        return out.greedy[-1]
+        return out.greedy[-1], None if out.logits is None else out.logits[-1]
 
-    def mtp_catch_up(self, lane: Lane, seq: Sequence[int], upto: int) -> tuple[int, object] | None:
+    def mtp_catch_up(self, lane: Lane, seq: Sequence[int], upto: int) -> MtpOut | None:
         """Write MTP KV entries [mtp_valid, upto) from verified hidden states; return the
         last forward's (draft, hidden) for chaining."""
         last = None
@@ -208,29 +211,34 @@ class Runner:
             del lane.hidden[pos]
         return last
 
-    def draft(self, lane: Lane, seq: Sequence[int], frontier: int, k: int) -> list[int]:
-        """k draft tokens continuing seq (whose last token, at `frontier`, is not fed yet)."""
+    def draft(self, lane: Lane, seq: Sequence[int], frontier: int, k: int, choice: Choice
+              ) -> tuple[list[int], list | None]:
+        """k draft tokens continuing seq (whose last token, at `frontier`, is not fed yet),
+        with the distributions they were drawn from (None for a deterministic drafter)."""
         if k <= 0:
-            return []
+            return [], None
         if self.mode.spec == "ngram":
-            return ngram_draft(seq, k)
+            return ngram_draft(seq, k), None
         if not self.mtp:
-            return []
+            return [], None
         last = self.mtp_catch_up(lane, seq, frontier)
         if last is None:
             raise MissingStatePart(f"no MTP forward at {frontier - 1} to draft from")
-        draft, hidden = last
-        drafts = [draft]
-        for j in range(1, k):  # chained: entries written here are overwritten after verify
-            draft, hidden = self.model.mtp(lane, frontier + j - 1, hidden, drafts[-1])
-            drafts.append(draft)
-        return drafts
+        drafts, probs = [], []
+        for j in range(k):
+            if j:  # chained: entries written here are overwritten after verify
+                last = self.model.mtp(lane, frontier + j - 1, last.hidden, drafts[-1])
+            token, q = choice.draft(last.token, last.logits)
+            drafts.append(token)
+            probs.append(q)
+        return drafts, probs
 
-    def verify(self, lane: Lane, pending: int, drafts: list[int], frontier: int) -> Round:
+    def verify(self, lane: Lane, pending: int, drafts: list[int], probs: list | None,
+               frontier: int, choice: Choice) -> Round:
         out = self.model.forward(lane, [pending, *drafts], frontier)
         lane.fence = self.model.fence()
-        accepted = accept_greedy(drafts, out.greedy)
-        return Round(drafts[:accepted] + [out.greedy[accepted]], len(drafts), accepted, out)
+        accepted, token = choice.accept(drafts, out.greedy, out.logits, probs)
+        return Round(drafts[:accepted] + [token], len(drafts), accepted, out)
 
     def commit(self, lane: Lane, rnd: Round, count: int, frontier: int, seq: Sequence[int]) -> None:
         """Keep `count` positions of the round: roll every part back to the last accepted

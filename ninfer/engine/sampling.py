@@ -106,3 +106,40 @@ def _point_mass(token: int, like: torch.Tensor) -> torch.Tensor:
     q = torch.zeros_like(like)
     q[token] = 1.0
     return q
+
+
+class SampledChoice:
+    """The Choice protocol (ninfer.engine.choice) over logits, for one request: its own
+    seeded generator, penalties over its output so far. Without logits (SimModel), greedy."""
+
+    def __init__(self, params, history: list[int]) -> None:
+        self.cfg = SamplingConfig(
+            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+            min_p=params.min_p, presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty, seed=params.seed)
+        self.history = history
+        self.generator = torch.Generator()
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        else:
+            self.generator.seed()
+
+    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return probabilities(apply_penalties(logits, self.history, self.cfg), self.cfg)
+
+    def draft(self, greedy: int, logits):
+        if logits is None:
+            return greedy, None
+        q = self._probs(logits)
+        return draw(q, self.generator), q
+
+    def next(self, greedy: int, logits) -> int:
+        return greedy if logits is None else draw(self._probs(logits), self.generator)
+
+    def accept(self, drafts, greedy, logits, draft_probs) -> tuple[int, int]:
+        if logits is None:
+            from .speculative import accept_greedy
+            n = accept_greedy(drafts, greedy)
+            return n, greedy[n]
+        q = torch.stack(draft_probs) if draft_probs and draft_probs[0] is not None else None
+        return accept_drafts(drafts, self._probs(logits), q, self.cfg, self.generator)

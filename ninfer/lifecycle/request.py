@@ -23,10 +23,18 @@ class SamplingParams:
     max_tokens: int = 16
     stop_tokens: tuple[int, ...] = ()
     temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logprobs: int = 0                  # top-n log-probabilities per token, 0 for none
 
     def to_dict(self) -> dict[str, Any]:
-        return {"max_tokens": self.max_tokens, "stop_tokens": list(self.stop_tokens),
-                "temperature": self.temperature}
+        out = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        out["stop_tokens"] = list(self.stop_tokens)
+        return out
 
 
 @dataclass(eq=False)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..engine.model import Forward, Lane, MissingStatePart, Parts
+from ..engine.model import Forward, Lane, MissingStatePart, MtpOut, Parts
 
 MASK = (1 << 61) - 1
 CONV = 4
@@ -113,7 +113,7 @@ class SimModel:
     def init_slot(self, lane: Lane) -> None:
         self.slots[lane.slot] = self._initial()
 
-    def mtp(self, lane: Lane, position: int, hidden: tuple, next_token: int) -> tuple[int, tuple]:
+    def mtp(self, lane: Lane, position: int, hidden: tuple, next_token: int) -> MtpOut:
         self._launched += 1
         entry = mix(MTP_TAG, mix(_hash_hidden(hidden), next_token))
         self._write(lane.mtp_blocks, position, entry)
@@ -128,7 +128,7 @@ class SimModel:
         draft = self._greedy(out)
         if mix(m, NOISE_TAG) % self.draft_quality == 0:
             draft = (draft + 1) % self.vocab_size
-        return draft, out
+        return MtpOut(draft, out)
 
     def copy_slot(self, src: int, dst: int) -> None:
         self._launched += 1
