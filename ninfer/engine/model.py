@@ -46,8 +46,7 @@ class MtpOut(NamedTuple):
     logits: Any = None
 
 
-@dataclass(frozen=True, slots=True)
-class Parts:
+class Parts(NamedTuple):
     """State parts at a position, as read from storage or recomputed (for exactness)."""
 
     attn_kv: tuple
@@ -93,6 +92,9 @@ class Model(Protocol):
 
     def reference_parts(self, tokens: Sequence[int], mtp: bool) -> Parts:
         """Recompute the parts at len(tokens) from scratch."""
+
+    def parts_match(self, got: Parts, ref: Parts) -> str | None:
+        """The name of the first part that differs beyond the model's arithmetic, or None."""
 
     def fence(self) -> int:
         """A marker for the device work launched so far."""

@@ -172,10 +172,11 @@ class Runner:
             got = self.model.read_parts(lane, p, need_mtp)
         except MissingStatePart as exc:
             raise ReuseMismatch(f"restored checkpoint at {p}: {exc}") from exc
-        for name in ("attn_kv", "recurrent", "mtp_kv", "hidden") if self.mtp else (
-                "attn_kv", "recurrent"):
-            if getattr(got, name) != getattr(ref, name):
-                raise ReuseMismatch(f"restored {name} at position {p} differs from a recomputation")
+        if not self.mtp:  # parts the mode does not need are not compared
+            got, ref = got._replace(mtp_kv=(), hidden=None), ref._replace(mtp_kv=(), hidden=None)
+        differs = self.model.parts_match(got, ref)
+        if differs:
+            raise ReuseMismatch(f"restored {differs} at position {p} differs from a recomputation")
 
     # --- device work -------------------------------------------------------------------
 

@@ -171,6 +171,13 @@ class SimModel:
                            for i in range(len(tokens) - 1))
         return Parts(tuple(attn), state, mtp_kv, hiddens[-1] if mtp and hiddens else None)
 
+    def parts_match(self, got: Parts, ref: Parts) -> str | None:
+        """Exact arithmetic: the first part that differs at all, or None."""
+        for name in Parts._fields:
+            if getattr(got, name) != getattr(ref, name):
+                return name
+        return None
+
     def reference_generate(self, tokens: Sequence[int], max_tokens: int,
                            stop_tokens: Sequence[int] = ()) -> list[int]:
         """A plain Root run, no pools: the greedy continuation of `tokens`."""

@@ -25,8 +25,12 @@ SPEC_PREDICATE = salvage.materializable
 class Harness:
     def __init__(self, config: EngineConfig, *, num_blocks: int = 96, block_size: int = 4,
                  num_slots: int = 24, seed: int = 0, journal: Journal | None = None,
-                 oracle: bool = True) -> None:
+                 oracle: bool = True, model_factory=None) -> None:
+        """`model_factory(num_blocks, block_size, num_slots)` builds the model (SimModel by
+        default); it is called again at a restart that loses tensors."""
         self.config, self.seed = config, seed
+        self.model_factory = model_factory or (
+            lambda nb, bs, ns: SimModel(num_blocks=nb, block_size=bs, num_slots=ns, seed=seed))
         self.sizes = (num_blocks, block_size, num_slots)
         self.journal = journal if journal is not None else Journal.memory()
         self.oracle = oracle
@@ -41,8 +45,7 @@ class Harness:
     def _boot(self, kept: tuple | None, config: EngineConfig) -> Engine:
         num_blocks, block_size, num_slots = self.sizes
         if kept is None:
-            model = SimModel(num_blocks=num_blocks, block_size=block_size, num_slots=num_slots,
-                             seed=self.seed)
+            model = self.model_factory(num_blocks, block_size, num_slots)
             blocks, slots, held = BlockPool(num_blocks, block_size), SlotPool(num_slots), None
         else:
             model, blocks, slots, held = kept

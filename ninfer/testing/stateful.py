@@ -25,7 +25,8 @@ class LifecycleMachine(RuleBasedStateMachine):
     """Conversations is a bundle of session keys; each remembers its last request."""
 
     conversations = Bundle("conversations")
-    oracle = True  # the spec predicate checked on every stored endpoint
+    oracle = True          # the spec predicate checked on every stored endpoint
+    model_factory = None   # SimModel unless a subclass names another (the torch model)
 
     def __init__(self) -> None:
         super().__init__()
@@ -41,7 +42,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         config = EngineConfig(max_concurrency=lanes, prefill_chunk=chunk, spec=spec,
                               draft_tokens=draft, max_endpoints=8, check_reuse=True)
         self.h = Harness(config, num_blocks=blocks, num_slots=3 * lanes + 10,
-                         oracle=self.oracle)
+                         oracle=self.oracle, model_factory=type(self).model_factory)
 
     # --- requests ----------------------------------------------------------------------
 
