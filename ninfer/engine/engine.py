@@ -71,6 +71,7 @@ class Live:
     drafting: AdaptiveDraft
     choice: Choice
     captures: list[Held] = field(default_factory=list)
+    round: tuple | None = None   # (frontier, room, drafts, draft probs) between the halves
 
 
 class Engine:
@@ -176,13 +177,16 @@ class Engine:
             self._guarded(live, self._catch_up)
         self._evict_over_capacity()
         self._schedule()
+        decoding = []
         for live in list(self.live.values()):
             if live.request.id not in self.live:
                 continue  # preempted by another lane's allocation in this step
             if live.request.state == "Prefilling":
                 self._guarded(live, self._prefill_step)
             elif live.request.state == "Active":
-                self._guarded(live, self._decode_round)
+                self._guarded(live, self._draft_round)
+                decoding.append(live)
+        self._verify_rounds(decoding)
         self.model.synchronize()  # the step commits: its device work has completed
         for live in finishing:  # a turn's state is published once it is complete and fenced
             if self.live.get(live.request.id) is live:
@@ -385,7 +389,8 @@ class Engine:
         self._reconcile()
         return True
 
-    def _decode_round(self, live: Live) -> None:
+    def _draft_round(self, live: Live) -> None:
+        """A round's first half: memory, drafts, the test hook. Leaves `live.round`."""
         request, lane = live.request, live.lane
         frontier = request.cursor
         room = min(request.params.max_tokens - len(request.outputs),
@@ -394,8 +399,7 @@ class Engine:
         mtp_upto = frontier + max(k, 1) if self.runner.mtp else 0
         if not self._reserve(live, frontier + k + 1, mtp_upto):
             return
-        seq = request.sequence
-        drafts, probs = self.runner.draft(lane, seq, frontier, k, live.choice)
+        drafts, probs = self.runner.draft(lane, request.sequence, frontier, k, live.choice)
         if self.runner.mtp:
             for held in live.captures:
                 self.runner.extend(held, lane)
@@ -403,7 +407,32 @@ class Engine:
             self.runner.discard_round(lane, frontier)
             self._cancel(request)
             return
-        rnd = self.runner.verify(lane, seq[-1], drafts, probs, frontier, live.choice)
+        live.round = (frontier, room, drafts, probs)
+
+    def _verify_rounds(self, lives: list[Live]) -> None:
+        """One batched verify forward for every lane with a drafted round, then each
+        lane's acceptance and commit. A lane whose parts are broken fails alone."""
+        lives = [x for x in lives if x.round is not None and x.request.id in self.live]
+        items = [(x.lane, [x.request.sequence[-1], *x.round[2]], x.round[0]) for x in lives]
+        try:
+            outs = self.runner.forward_many(items)
+        except MissingStatePart:  # find the broken lane: one forward each
+            outs = []
+            for live, item in zip(lives, items, strict=True):
+                try:
+                    outs.append(self.runner.forward_many([item])[0])
+                except MissingStatePart as exc:
+                    self._fail(live.request, "internal", str(exc))
+                    outs.append(None)
+        for live, out in zip(lives, outs, strict=True):
+            if out is not None:
+                self._guarded(live, lambda x, o=out: self._commit_round(x, o))
+            live.round = None
+
+    def _commit_round(self, live: Live, out) -> None:
+        request, lane = live.request, live.lane
+        frontier, room, drafts, probs = live.round
+        rnd = self.runner.judge(drafts, probs, out, live.choice)
         live.drafting.observe(rnd.drafted, rnd.accepted)
         count, reason = truncate(rnd.new_tokens, room, request.params.stop_tokens)
         committed = tuple(rnd.new_tokens[:count])

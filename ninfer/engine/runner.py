@@ -234,10 +234,18 @@ class Runner:
             probs.append(q)
         return drafts, probs
 
-    def verify(self, lane: Lane, pending: int, drafts: list[int], probs: list | None,
-               frontier: int, choice: Choice) -> Round:
-        out = self.model.forward(lane, [pending, *drafts], frontier)
-        lane.fence = self.model.fence()
+    def forward_many(self, items: list[tuple[Lane, list[int], int]]) -> list:
+        """Verify forwards for several lanes, batched when the model can."""
+        batch = getattr(self.model, "forward_batch", None)
+        if batch is not None and len(items) > 1:
+            outs = batch(items)
+        else:
+            outs = [self.model.forward(lane, tokens, start) for lane, tokens, start in items]
+        for lane, _, _ in items:
+            lane.fence = self.model.fence()
+        return outs
+
+    def judge(self, drafts: list[int], probs: list | None, out, choice: Choice) -> Round:
         accepted, token = choice.accept(drafts, out.greedy, out.logits, probs)
         return Round(drafts[:accepted] + [token], len(drafts), accepted, out)
 
