@@ -17,6 +17,24 @@ def _bench(args: argparse.Namespace) -> int:
     return bench_lifecycle(events=args.events, requests=args.requests, json_path=args.json)
 
 
+def _make_tiny(args: argparse.Namespace) -> int:
+    from .model.tiny import make_tiny
+    print(make_tiny(args.dir, family=args.family, moe=args.moe, seed=args.seed,
+                    dtype=args.dtype, max_shard_bytes=args.max_shard_bytes))
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from .model.fileformat import convert
+    from .model.loader import LoadError
+    try:
+        print(convert(args.hf_dir, args.out, progress=not args.quiet))
+    except LoadError as exc:
+        print(f"ninfer convert: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ninfer",
@@ -25,6 +43,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING",
                         help="logging level: DEBUG, INFO, WARNING (default), ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    tiny = sub.add_parser(
+        "make-tiny", help="write a small random model (Hugging Face layout) with a trained BPE "
+                          "tokenizer, a chat template and an MTP layer")
+    tiny.add_argument("dir", help="output directory")
+    tiny.add_argument("--family", choices=["qwen3_next", "qwen3_5"], default="qwen3_next",
+                      help="config and weight-name family (default qwen3_next)")
+    tiny.add_argument("--moe", action="store_true", help="sparse-MoE blocks instead of dense MLPs")
+    tiny.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
+    tiny.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                      help="stored weight dtype (default bfloat16)")
+    tiny.add_argument("--max-shard-bytes", type=int, default=None,
+                      help="shard the weights (with an index) above this many bytes")
+    tiny.set_defaults(func=_make_tiny)
+
+    convert = sub.add_parser(
+        "convert", help="pack a Hugging Face model directory into one .ninfer file")
+    convert.add_argument("hf_dir", help="the model directory (config, tokenizer, weights)")
+    convert.add_argument("out", help="the .ninfer file to write")
+    convert.add_argument("--quiet", action="store_true", help="no progress bar")
+    convert.set_defaults(func=_convert)
 
     fuzz = sub.add_parser("fuzz", help="long invariant fuzzing (not CI)")
     fuzz_sub = fuzz.add_subparsers(dest="target", required=True)

@@ -114,6 +114,23 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default=())
 
+    def __post_init__(self) -> None:
+        """Cross-field consistency, also for configs built in code rather than parsed."""
+        def fail(name: str, problem: str) -> ConfigError:
+            return ConfigError("ModelConfig", name, problem)
+
+        if self.family not in FAMILIES:
+            raise fail("family", f"unknown family {self.family!r}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise fail("layer_types", f"has {len(self.layer_types)} entries for "
+                                      f"{self.num_hidden_layers} layers")
+        if any(t not in LAYER_TYPES for t in self.layer_types):
+            raise fail("layer_types", f"unknown layer type in {self.layer_types!r}")
+        if self.family == "qwen3_5" and (self.decoder_sparse_step != 1 or self.mlp_only_layers
+                                         or not self.norm_topk_prob):
+            # Qwen3.5 has no such knobs, so to_dict() could not write them
+            raise fail("decoder_sparse_step", "qwen3_5 MoE is every layer, top-k renormalised")
+
     # --- derived sizes --------------------------------------------------------------------
 
     @property

@@ -1,6 +1,7 @@
 """ModelConfig parsing and expected checkpoint tensors."""
 
 import copy
+import dataclasses
 
 import pytest
 
@@ -161,3 +162,24 @@ def test_expected_tensors_qwen3_5_dense_tied():
     assert t["mtp.layers.0.mlp.down_proj.weight"] == (1024, 3584)
     assert "lm_head.weight" not in t
     assert not any(k.startswith("mtp.") for k in expected_tensors(c, mtp=False))
+
+
+def test_qwen3_5_moe_wrapper_is_moe_on_every_layer():
+    text = dict(QWEN3_5["text_config"], model_type="qwen3_5_moe_text", num_experts=8,
+                num_experts_per_tok=2, moe_intermediate_size=64,
+                shared_expert_intermediate_size=128)
+    del text["intermediate_size"]  # not needed when every layer is MoE
+    c = ModelConfig.from_dict(dict(QWEN3_5, model_type="qwen3_5_moe", text_config=text))
+    assert c.family == "qwen3_5" and all(c.is_moe_layer(i) for i in range(8))
+    assert c.to_dict()["model_type"] == "qwen3_5_moe_text"
+    assert ModelConfig.from_dict(c.to_dict()) == c
+
+
+def test_configs_built_in_code_are_checked():
+    c = ModelConfig.from_dict(QWEN3_5)
+    with pytest.raises(ConfigError, match="'layer_types'"):
+        dataclasses.replace(c, num_hidden_layers=7)
+    with pytest.raises(ConfigError, match="'family'"):
+        dataclasses.replace(c, family="llama")
+    with pytest.raises(ConfigError, match="'decoder_sparse_step'"):
+        dataclasses.replace(c, num_experts=4, decoder_sparse_step=2)

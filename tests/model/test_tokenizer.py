@@ -1,0 +1,114 @@
+"""The tokenizer wrapper: ids as transformers computes them, special tokens, exact decoding,
+and streaming detokenization that never splits a UTF-8 character."""
+
+import json
+import random
+
+import pytest
+
+from ninfer.model.tiny import make_tiny
+from ninfer.model.tokenizer import Tokenizer
+
+TEXTS = [
+    "Hello world! The model reads the answer.",
+    "café naïve Größe 日本語 中文字符 한국어 Привет 😀🚀 ½ → €…",
+    'def f(x):\n    return {"name": "get_city", "arguments": {"city": "Zürich"}}\n',
+    "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\nhm\n</think>\n\nok<|im_end|>",
+    "  leading spaces, tabs\tand\n\n\nnewlines  ",
+    "<tool_call>\n{}\n</tool_call><tool_response>\n42\n</tool_response><|endoftext|>",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("tok") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_dir):
+    return Tokenizer.from_dir(tiny_dir)
+
+
+def test_ids_match_transformers(tiny_dir, tok):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tiny_dir)
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == hf(text, add_special_tokens=False)["input_ids"], text
+        assert tok.decode(ids) == text  # NFC text round-trips exactly
+        assert tok.decode(ids, skip_special_tokens=True) == hf.decode(
+            ids, skip_special_tokens=True)
+
+
+def test_special_tokens(tok):
+    s = tok.special
+    assert s.eos == s.im_end == tok.token_to_id("<|im_end|>")
+    assert s.pad == s.endoftext == tok.token_to_id("<|endoftext|>")
+    assert s.bos is None
+    assert tok.encode("<think></think><tool_call></tool_call>") == [
+        s.think_start, s.think_end, s.tool_call_start, s.tool_call_end]
+    assert s.stop_ids == {s.im_end, s.endoftext}
+    # only the three chat-control tokens are special: decoding keeps think/tool tags
+    assert tok.special_ids == {s.endoftext, s.im_start, s.im_end}
+    assert tok.vocab_size == 4080
+
+
+def test_every_byte_has_a_token(tok):
+    byte_ids = {tok.token_bytes(i): i for i in range(tok.vocab_size)}
+    assert all(bytes([b]) in byte_ids for b in range(256))
+    assert tok.token_bytes(10**6) == b""
+
+
+def _stream_deltas(tok, ids, **kw):
+    stream = tok.stream(**kw)
+    deltas = [stream.push(i) for i in ids]
+    return deltas, stream.finish()
+
+
+def test_stream_reassembles_multibyte_text(tok):
+    for text in TEXTS:
+        ids = tok.encode(text)
+        deltas, tail = _stream_deltas(tok, ids)
+        assert "".join(deltas) + tail == text
+        assert tail == ""
+        # every delta is whole characters: each running concatenation is a prefix of the text
+        # and no replacement character ever shows up
+        acc = ""
+        for d in deltas:
+            acc += d
+            assert text.startswith(acc) and "\ufffd" not in acc
+    # a 4-byte emoji the vocabulary splits over tokens appears in one delta, once complete
+    ids = tok.encode("x 🦜")
+    assert len(ids) > 3
+    deltas, _ = _stream_deltas(tok, ids)
+    assert deltas[-2:] == ["", "🦜"]
+
+
+def test_stream_equals_decode_on_arbitrary_ids(tok):
+    # random ids include cut-off UTF-8 sequences, and ids past the tokenizer's vocabulary (the
+    # embedding's padding rows, which a random model can emit): the stream renders them as
+    # decode does
+    rng = random.Random(7)
+    for _ in range(300):
+        ids = [rng.randrange(tok.vocab_size + 20) for _ in range(rng.randint(1, 12))]
+        for skip in (False, True):
+            deltas, tail = _stream_deltas(tok, ids, skip_special_tokens=skip)
+            assert "".join(deltas) + tail == tok.decode(ids, skip_special_tokens=skip), ids
+
+
+def test_stream_skips_special_tokens_only(tok):
+    ids = tok.encode("<think>\nx\n</think>\n\nyes<|im_end|>")
+    stream = tok.stream(skip_special_tokens=True)
+    assert stream.push(ids) + stream.finish() == "<think>\nx\n</think>\n\nyes"
+    assert stream.ids == ids
+
+
+def test_rejects_a_tokenizer_that_is_not_byte_level(tiny_dir):
+    spec = json.loads((tiny_dir / "tokenizer.json").read_text())
+    spec["decoder"] = None
+    with pytest.raises(ValueError, match="decoder"):
+        Tokenizer(json.dumps(spec), {}, source="x/tokenizer.json")
+    with pytest.raises(ValueError, match="eos_token"):
+        Tokenizer((tiny_dir / "tokenizer.json").read_text(), {"eos_token": "<nope>"},
+                  source="x/tokenizer.json")
