@@ -1,0 +1,114 @@
+"""Gated full attention, and the small KV interface it reads and writes through.
+
+The layer never holds its KV: it writes K, V at the tokens' positions and reads K, V for
+[0, L) through a `KVStore`, so the engine can swap the contiguous store below for a paged
+one (block tables per lane) without touching the model.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from .config import ModelConfig
+from .layers import RMSNorm, apply_rope, compute_dtype
+
+
+class KVStore(Protocol):
+    """Attention KV storage for a batch of rows, per layer key (an int chosen by the caller).
+
+    Contract: `write` stores k, v [B, T, Hkv, D] at positions [B, T] (row b's token t goes
+    to position positions[b, t], overwriting what was there). `read(layer, length)` returns
+    K, V [B, length, Hkv, D] for positions [0, length) of every row; a position a row has
+    not written may hold anything (the attention masks keys after each query's position,
+    so a row only ever sees positions it wrote)."""
+
+    def write(self, layer: int, positions: Tensor, k: Tensor, v: Tensor) -> None: ...
+
+    def read(self, layer: int, length: int) -> tuple[Tensor, Tensor]: ...
+
+
+class ContiguousKV:
+    """A KVStore holding one growable [B, capacity, Hkv, D] tensor pair per layer key."""
+
+    def __init__(self, initial_capacity: int = 64) -> None:
+        self.initial_capacity = initial_capacity
+        self.k: dict[int, Tensor] = {}
+        self.v: dict[int, Tensor] = {}
+
+    def _reserve(self, layer: int, like: Tensor, needed: int) -> None:
+        B, _, H, D = like.shape
+        if layer not in self.k:
+            cap = max(self.initial_capacity, needed)
+            self.k[layer] = like.new_zeros(B, cap, H, D)
+            self.v[layer] = like.new_zeros(B, cap, H, D)
+        cap = self.k[layer].shape[1]
+        if needed > cap:  # grow geometrically so a long decode does not copy every step
+            grow = max(needed, 2 * cap) - cap
+            for store in (self.k, self.v):
+                store[layer] = torch.cat([store[layer], like.new_zeros(B, grow, H, D)], dim=1)
+
+    def write(self, layer: int, positions: Tensor, k: Tensor, v: Tensor) -> None:
+        self._reserve(layer, k, int(positions.max()) + 1)
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1]
+        self.k[layer][rows, positions] = k
+        self.v[layer][rows, positions] = v
+
+    def read(self, layer: int, length: int) -> tuple[Tensor, Tensor]:
+        if layer not in self.k or self.k[layer].shape[1] < length:
+            raise KeyError(f"KV of layer {layer} has no positions up to {length}")
+        return self.k[layer][:, :length], self.v[layer][:, :length]
+
+
+class GatedAttention(nn.Module):
+    """Full causal attention with an output gate (Qwen3-Next / Qwen3.5).
+
+    q_proj yields, per head, the query and a gate of the same width; q and k get a
+    zero-centred RMSNorm over head_dim, then partial RoPE; K/V heads are shared by groups of
+    query heads (GQA); the attention output is multiplied by sigmoid(gate) before o_proj."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, D = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads, config.num_key_value_heads, D)
+        self.q_proj = nn.Linear(h, 2 * self.num_heads * D, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * D, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * D, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * D, h, bias=False)
+        self.q_norm = RMSNorm(D, config.rms_norm_eps)
+        self.k_norm = RMSNorm(D, config.rms_norm_eps)
+
+    def forward(self, x: Tensor, positions: Tensor, cos_sin: tuple[Tensor, Tensor], kv: KVStore,
+                layer: int) -> Tensor:
+        """x [B, T, hidden], positions [B, T], cos_sin from `rope_cos_sin` -> [B, T, hidden]. Writes
+        this layer's K, V at `positions` into `kv` under key `layer`, then attends over
+        [0, max position] with a per-row causal mask by position."""
+        B, T, _ = x.shape
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q_and_gate = self.q_proj(x).view(B, T, H, 2 * D)
+        q, gate = q_and_gate[..., :D], q_and_gate[..., D:]  # q: [B, T, H, D], gate likewise
+        k = self.k_proj(x).view(B, T, Hkv, D)
+        v = self.v_proj(x).view(B, T, Hkv, D)
+        cos, sin = cos_sin
+        q = apply_rope(self.q_norm(q), cos, sin)
+        k = apply_rope(self.k_norm(k), cos, sin)
+
+        kv.write(layer, positions, k, v)
+        length = int(positions.max()) + 1
+        keys, values = kv.read(layer, length)  # [B, L, Hkv, D]
+        group = H // Hkv  # query head h reads KV head h // group
+        keys = keys.repeat_interleave(group, dim=2)
+        values = values.repeat_interleave(group, dim=2)
+
+        wide = compute_dtype(x)
+        scores = torch.einsum("bthd,blhd->bhtl", q.to(wide), keys.to(wide)) * D ** -0.5
+        key_pos = torch.arange(length, device=x.device)
+        visible = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, L]
+        scores = scores.masked_fill(~visible[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(x.dtype)  # [B, H, T, L]
+        out = torch.einsum("bhtl,blhd->bthd", probs, values)  # [B, T, H, D]
+        out = out * torch.sigmoid(gate)
+        return self.o_proj(out.reshape(B, T, H * D))

@@ -1,0 +1,139 @@
+"""The Gated DeltaNet (linear attention) layer and its explicit per-sequence state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kernels.gdn_reference import (
+    causal_conv1d_update,
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_rule,
+)
+
+from .config import ModelConfig
+from .layers import GatedRMSNorm, compute_dtype
+
+
+@dataclass(frozen=True)
+class GDNState:
+    """One GDN layer's state at a position: the conv tail (the last K-1 conv inputs) and the
+    recurrent matrix. Per sequence: conv [B, conv_dim, K-1], recurrent [B, Hv, Dk, Dv].
+    A per-position result (`all_states=True`) has a T axis after B: conv [B, T, conv_dim,
+    K-1], recurrent [B, T, Hv, Dk, Dv]; `pick` turns it back into a per-sequence state."""
+
+    conv: Tensor
+    recurrent: Tensor
+
+    def pick(self, index: Tensor | int) -> GDNState:
+        """From a per-position state: the state after position index[b] of each row b."""
+        if isinstance(index, int):
+            return GDNState(self.conv[:, index], self.recurrent[:, index])
+        rows = torch.arange(self.conv.shape[0], device=self.conv.device)
+        return GDNState(self.conv[rows, index], self.recurrent[rows, index])
+
+    @staticmethod
+    def zeros(config: ModelConfig, batch: int, dtype: torch.dtype,
+              device: torch.device | str | None = None) -> GDNState:
+        """The state before any token. The recurrent matrix is kept in float32 or wider
+        (`state_dtype`), whatever the activations' dtype: it accumulates over the whole
+        sequence."""
+        c = config
+        conv = torch.zeros(batch, c.conv_dim, c.linear_conv_kernel_dim - 1, dtype=dtype,
+                           device=device)
+        recurrent = torch.zeros(batch, c.linear_num_value_heads, c.linear_key_head_dim,
+                                c.linear_value_head_dim, dtype=state_dtype(dtype), device=device)
+        return GDNState(conv, recurrent)
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """x / sqrt(sum x^2 + eps) over the last axis (eps inside the root, as the reference)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(nn.Module):
+    """Projections -> causal conv (SiLU) over q, k, v -> L2-normalised q, k -> gated delta rule
+    with beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias) -> gated RMSNorm with z
+    -> out_proj. The two families differ only in how the input projections are packed."""
+
+    # at or below this many tokens the token-by-token rule is cheaper than the chunked one
+    RECURRENT_MAX_TOKENS = 4
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config
+        h, kd, vd = c.hidden_size, c.linear_key_dim, c.linear_value_dim
+        hv = c.linear_num_value_heads
+        self.family = c.family
+        self.num_k_heads, self.num_v_heads = c.linear_num_key_heads, hv
+        self.head_k_dim, self.head_v_dim = c.linear_key_head_dim, c.linear_value_head_dim
+        if c.family == "qwen3_next":
+            # packed per key-head group: [q | k | v (r heads) | z (r heads)], then [b | a]
+            self.in_proj_qkvz = nn.Linear(h, 2 * kd + 2 * vd, bias=False)
+            self.in_proj_ba = nn.Linear(h, 2 * hv, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(h, 2 * kd + vd, bias=False)
+            self.in_proj_z = nn.Linear(h, vd, bias=False)
+            self.in_proj_b = nn.Linear(h, hv, bias=False)
+            self.in_proj_a = nn.Linear(h, hv, bias=False)
+        # depthwise: weight [conv_dim, 1, K], the checkpoint's shape
+        self.conv1d = nn.Conv1d(c.conv_dim, c.conv_dim, c.linear_conv_kernel_dim,
+                                groups=c.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(hv))
+        self.A_log = nn.Parameter(torch.zeros(hv))
+        self.norm = GatedRMSNorm(c.linear_value_head_dim, c.rms_norm_eps)
+        self.out_proj = nn.Linear(vd, h, bias=False)
+
+    def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x [B, T, hidden] -> qkv [B, T, conv_dim] (q, k, v flat, in that order),
+        z [B, T, Hv, Dv], b, a [B, T, Hv]."""
+        B, T, _ = x.shape
+        Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        if self.family == "qwen3_5":
+            z = self.in_proj_z(x).view(B, T, Hv, Dv)
+            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        r = Hv // Hk  # value heads per key head
+        grouped = self.in_proj_qkvz(x).view(B, T, Hk, 2 * Dk + 2 * r * Dv)
+        q, k, v, z = grouped.split([Dk, Dk, r * Dv, r * Dv], dim=-1)
+        ba = self.in_proj_ba(x).view(B, T, Hk, 2 * r)
+        b, a = ba.split([r, r], dim=-1)
+        # value head kh * r + j belongs to key head kh: flattening keeps that order
+        qkv = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
+        return qkv, z.reshape(B, T, Hv, Dv), b.reshape(B, T, Hv), a.reshape(B, T, Hv)
+
+    def forward(self, x: Tensor, state: GDNState, all_states: bool = False,
+                chunk_size: int = 64) -> tuple[Tensor, GDNState]:
+        """x [B, T, hidden] continuing from `state` (the state at the first token's
+        position) -> (y [B, T, hidden], new state). The new state is the state after the
+        last token, or with `all_states` the per-position state (see GDNState). `state`
+        is not modified."""
+        B, T, _ = x.shape
+        Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        qkv, z, b, a = self._project(x)
+        conv_out, conv_tail = causal_conv1d_update(
+            qkv.transpose(1, 2), state.conv, self.conv1d.weight.squeeze(1),
+            activation="silu", all_states=all_states)
+        q, k, v = conv_out.transpose(1, 2).split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+        wide = compute_dtype(x)
+        q = l2_normalize(q.reshape(B, T, Hk, Dk).to(wide))  # [B, T, Hk, Dk]
+        k = l2_normalize(k.reshape(B, T, Hk, Dk).to(wide))
+        v = v.reshape(B, T, Hv, Dv)
+        beta = torch.sigmoid(b.to(wide))  # [B, T, Hv]
+        g = -self.A_log.to(wide).exp() * F.softplus(a.to(wide) + self.dt_bias.to(wide))
+
+        if all_states or T <= self.RECURRENT_MAX_TOKENS:
+            o, recurrent = recurrent_gated_delta_rule(
+                q, k, v, g, beta, initial_state=state.recurrent, all_states=all_states)
+        else:
+            o, recurrent = chunk_gated_delta_rule(
+                q, k, v, g, beta, initial_state=state.recurrent, chunk_size=chunk_size)
+        o = self.norm(o, z)  # [B, T, Hv, Dv]
+        y = self.out_proj(o.reshape(B, T, Hv * Dv))
+        return y, GDNState(conv_tail, recurrent.to(state.recurrent.dtype))

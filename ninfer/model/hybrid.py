@@ -1,0 +1,204 @@
+"""The hybrid decoder (GDN + gated attention layers), its explicit state, and the LM.
+
+State is never hidden in modules: `HybridModel.forward` takes a `HybridState` (GDN states
+per linear layer, a KVStore for the attention layers) and returns the state after the
+tokens as a new value. The GDN states of the input are left untouched, so a caller that
+keeps them can retry; the KVStore is written at the tokens' positions (harmless to a
+rollback: positions past the committed frontier are rewritten before they are read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .attention import ContiguousKV, GatedAttention, KVStore
+from .config import ModelConfig
+from .fileformat import LoadError  # one error for every refusal at load
+from .gdn import GatedDeltaNet, GDNState
+from .layers import MLP, RMSNorm, SparseMoE, rope_cos_sin
+from .mtp import MTPHead, MTPOutput
+
+
+@dataclass(frozen=True)
+class HybridState:
+    """The main model's state parts at a position P for a batch of rows: `gdn[i]` for each
+    linear-attention layer i (conv tail and recurrent matrix exactly at P), and `kv`, the
+    attention KV, which must hold positions [0, P) for every attention layer."""
+
+    gdn: dict[int, GDNState]
+    kv: KVStore
+
+    @classmethod
+    def initial(cls, config: ModelConfig, batch: int, dtype: torch.dtype,
+                device: torch.device | str | None = None, kv: KVStore | None = None,
+                ) -> HybridState:
+        """The state at position 0 (a Root plan); a fresh ContiguousKV unless `kv` is given."""
+        gdn = {i: GDNState.zeros(config, batch, dtype, device) for i in config.linear_layers}
+        return cls(gdn, ContiguousKV() if kv is None else kv)
+
+
+class ForwardOutput(NamedTuple):
+    logits: Tensor | None  # [B, T, V]; None when forward(..., logits=False)
+    hidden: Tensor  # [B, T, hidden]: after the final norm (what lm_head and the MTP head read)
+    state: HybridState  # the state after the last token
+    states: dict[int, GDNState] | None  # per-position GDN states, with all_states=True
+
+    def state_at(self, index: Tensor | int) -> HybridState:
+        """The state after position index[b] of this forward's tokens, per row (a rollback
+        after verification). Needs all_states=True."""
+        if self.states is None:
+            raise ValueError("state_at needs forward(..., all_states=True)")
+        return replace(self.state, gdn={i: s.pick(index) for i, s in self.states.items()})
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: token mixer (GDN or gated attention), then MLP or MoE."""
+
+    def __init__(self, config: ModelConfig, layer_type: str, moe: bool) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if layer_type == "full_attention":
+            self.self_attn = GatedAttention(config)
+        else:
+            self.linear_attn = GatedDeltaNet(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SparseMoE(config) if moe else MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, h: Tensor, positions: Tensor, cos_sin: tuple[Tensor, Tensor],
+                kv: KVStore, kv_layer: int, gdn: GDNState | None, all_states: bool = False,
+                ) -> tuple[Tensor, GDNState | None]:
+        """h [B, T, hidden] -> (h, new GDN state or None for an attention layer)."""
+        x = self.input_layernorm(h)
+        if self.layer_type == "full_attention":
+            mixed, new_gdn = self.self_attn(x, positions, cos_sin, kv, kv_layer), None
+        else:
+            assert gdn is not None, "a GDN layer needs its state"
+            mixed, new_gdn = self.linear_attn(x, gdn, all_states=all_states)
+        h = h + mixed
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, new_gdn
+
+
+class Decoder(nn.Module):
+    """`model.*` in the checkpoint: embeddings, the decoder layers, the final norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, t, config.is_moe_layer(i))
+                                    for i, t in enumerate(config.layer_types))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class HybridModel(nn.Module):
+    """A Qwen3-Next / Qwen3.5 causal LM with its optional MTP head.
+
+    Parameter names are the checkpoint's: `model.state_dict()` keys equal
+    `expected_tensors(config, mtp=...)` (no fused or renamed tensors); `load_weights` fills
+    them from checkpoint-named tensors. Works in float32, float64 or bf16 (`.to(dtype)`)."""
+
+    def __init__(self, config: ModelConfig, mtp: bool = True) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if mtp and config.mtp_num_hidden_layers > 0:
+            # vLLM decides the MTP layer's MLP kind as for layer index 0
+            self.mtp = MTPHead(config, [DecoderLayer(config, "full_attention",
+                                                     config.is_moe_layer(0))
+                                        for _ in range(config.mtp_num_hidden_layers)])
+
+    @property
+    def has_mtp(self) -> bool:
+        return hasattr(self, "mtp")
+
+    def lm_logits(self, hidden: Tensor) -> Tensor:
+        """The shared output head: hidden [.., hidden] (already final-normed) -> [.., V]."""
+        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings \
+            else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        c = self.config
+        return rope_cos_sin(positions, c.rotary_dim, c.rope_theta, dtype)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, state: HybridState,
+                all_states: bool = False, logits: bool = True) -> ForwardOutput:
+        """Feed input_ids [B, T] at positions [B, T] (row b: P_b, P_b+1, ..., P_b+T-1)
+        continuing from `state`, the state at P_b of each row. Prefill (any T, any P),
+        decode (T=1) and verification (T=k+1, `all_states=True` for per-position GDN states
+        so a rollback is `out.state_at(index)`) are this one call."""
+        h = self.model.embed_tokens(input_ids)  # [B, T, hidden]
+        cos_sin = self.rope(positions, h.dtype)
+        new_gdn: dict[int, GDNState] = {}
+        for i, layer in enumerate(self.model.layers):
+            h, s = layer(h, positions, cos_sin, state.kv, i, state.gdn.get(i), all_states)
+            if s is not None:
+                new_gdn[i] = s
+        hidden = self.model.norm(h)
+        final = {i: s.pick(-1) for i, s in new_gdn.items()} if all_states else new_gdn
+        return ForwardOutput(self.lm_logits(hidden) if logits else None, hidden,
+                             HybridState(final, state.kv), new_gdn if all_states else None)
+
+    def mtp_forward(self, hidden: Tensor, next_ids: Tensor, positions: Tensor, kv: KVStore,
+                    step: int = 0) -> MTPOutput:
+        """The MTP head over entries t = positions [B, T]: hidden [B, T, D] is h_t (main
+        model `ForwardOutput.hidden`, or a previous `MTPOutput.hidden` when chaining),
+        next_ids [B, T] is token t+1. Writes the MTP KV at t into `kv` (the MTP layer's own
+        store, never the main model's) and attends over its [0, t]; `logits` predict token
+        t+2. See `ninfer.model.mtp` for the definition."""
+        if not self.has_mtp:
+            raise ValueError("this model was built without its MTP head")
+        embedding = self.model.embed_tokens(next_ids)
+        y = self.mtp(hidden, embedding, positions, self.rope(positions, hidden.dtype), kv, step)
+        return MTPOutput(self.lm_logits(y), y)
+
+
+def checkpoint_name(name: str) -> str | None:
+    """Map a name as found in checkpoint files to this model's name; None to skip it.
+    Multimodal Qwen3.5 files prefix the text model with `model.language_model.` and carry
+    a vision tower (`model.visual.*`, skipped)."""
+    if name.startswith("model.visual.") or name.startswith("visual."):
+        return None
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model."):]
+    return name
+
+
+def load_weights(model: HybridModel, tensors: dict[str, Tensor]) -> None:
+    """Copy checkpoint-named tensors into `model` (cast to each parameter's dtype/device).
+    Every parameter must be provided exactly once with its shape; `mtp.*` tensors are
+    skipped when the model was built without its MTP head, and `lm_head.weight` when the
+    embeddings are tied. Anything else unexpected is an error: a silently ignored tensor
+    is a model that computes something else."""
+    params = dict(model.named_parameters())
+    seen: set[str] = set()
+    unexpected, misshapen = [], []
+    for raw, tensor in tensors.items():
+        name = checkpoint_name(raw)
+        if name is None:
+            continue
+        if name not in params:
+            tied_head = name == "lm_head.weight" and model.config.tie_word_embeddings
+            if not (tied_head or (name.startswith("mtp.") and not model.has_mtp)):
+                unexpected.append(raw)
+            continue
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            misshapen.append(f"{raw}: {tuple(tensor.shape)} != {tuple(params[name].shape)}")
+            continue
+        seen.add(name)
+        with torch.no_grad():
+            params[name].copy_(tensor)
+    missing = sorted(set(params) - seen)
+    problems = [f"{what}: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
+                for what, names in (("missing", missing), ("unexpected", sorted(unexpected)),
+                                    ("wrong shape", misshapen)) if names]
+    if problems:
+        raise LoadError("; ".join(problems))

@@ -1,0 +1,127 @@
+"""Building blocks shared by the hybrid model: norms, rotary embedding, dense MLP, sparse MoE.
+
+Precision: reductions that decide the output's scale (norms, softmax, routing) run in
+float32 or wider, `compute_dtype(x)`, so a float64 model stays float64 all the way through
+and a bf16 model matches the reference's float32 upcasts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import ModelConfig
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """float32, or x's dtype when it is wider (float64)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _rms(x: Tensor, eps: float) -> Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    """The zero-centred RMSNorm of Qwen3-Next / Qwen3.5: y = x / rms(x) * (1 + weight).
+    Checkpoints store `weight` around 0 (an all-zero weight is the identity scale). Used for
+    the decoder norms, the final norm, q/k norms and the MTP norms."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = compute_dtype(x)
+        # the scale multiplies before the cast back, as the reference does
+        return (_rms(x.to(dtype), self.eps) * (1.0 + self.weight.to(dtype))).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """The GDN output norm: y = x / rms(x) * weight * silu(z), with a *plain* weight (stored
+    around 1, not zero-centred), over one value head's Dv channels."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor, z: Tensor) -> Tensor:
+        dtype = compute_dtype(x)
+        # the reference casts the normalised x back to the input dtype before the weight
+        normed = self.weight * _rms(x.to(dtype), self.eps).to(x.dtype)
+        return (normed * F.silu(z.to(dtype))).to(x.dtype)
+
+
+def rope_cos_sin(positions: Tensor, rotary_dim: int, theta: float,
+                 dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """positions [B, T] -> cos, sin [B, T, rotary_dim] for `apply_rope`, computed in
+    float32 or wider, then cast to `dtype`."""
+    wide = torch.promote_types(dtype, torch.float32)
+    exponents = torch.arange(0, rotary_dim, 2, dtype=wide, device=positions.device)
+    inv_freq = 1.0 / (theta ** (exponents / rotary_dim))  # [rotary_dim/2]
+    angles = positions.to(wide)[..., None] * inv_freq  # [B, T, rotary_dim/2]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding on the first rotary_dim = cos.shape[-1] channels of each head, in
+    the half-split layout (channel i pairs with i + rotary_dim/2); the rest pass through.
+    x [B, T, H, D]; cos, sin [B, T, rotary_dim]. Qwen3.5's multimodal RoPE equals this for
+    text, where all its position axes agree."""
+    rotary_dim = cos.shape[-1]
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated_half = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    cos, sin = cos[:, :, None], sin[:, :, None]  # broadcast over heads
+    return torch.cat([rot * cos + rotated_half * sin, rest], dim=-1)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed experts plus a sigmoid-gated shared expert.
+
+    Routing: softmax over all experts (wide), keep the top k, renormalise them to sum 1
+    when `norm_topk_prob`, weight each chosen expert's output. Experts are kept one module
+    each, under the checkpoint's names (`experts.{e}.gate_proj` ...), so loading is a copy;
+    a fused device kernel can stack them later."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = nn.Linear(h, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            MLP(h, config.moe_intermediate_size) for _ in range(config.num_experts))
+        self.shared_expert = MLP(h, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(h, 1, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # x: [N, D]
+        probs = torch.softmax(self.gate(x).to(compute_dtype(x)), dim=-1)  # [N, E]
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in chosen.unique().tolist():
+            token, slot = torch.nonzero(chosen == e, as_tuple=True)
+            out.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot, None])
+        out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.reshape(shape)

@@ -1,0 +1,262 @@
+"""TorchModel: the Model protocol (ninfer.engine.model) over the torch HybridModel.
+
+The engine owns the bookkeeping (block tables, slots); this owns the storage they index:
+attention KV in blocks of `block_size` positions per attention layer ([num_blocks,
+block_size, Hkv, D]), the MTP layer's KV in blocks of its own, and per slot the GDN conv
+tail and recurrent matrix of every linear-attention layer plus the last hidden state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..engine.model import Forward, Lane, MissingStatePart, MtpOut, Parts
+from .attention import ContiguousKV
+from .gdn import GDNState, state_dtype
+from .hybrid import HybridModel, HybridState
+
+VERIFY_STATES_UP_TO = 32   # keep per-position GDN states for forwards this short (verify)
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+class PagedKV:
+    """The KVStore protocol over block storage, for a batch of lanes' block tables."""
+
+    def __init__(self, k: dict[int, Tensor], v: dict[int, Tensor], block_size: int,
+                 tables: Sequence[Sequence[int]]) -> None:
+        self.k, self.v, self.bs = k, v, block_size
+        width = max(1, max(len(t) for t in tables))
+        device = next(iter(k.values())).device
+        self.tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables],
+                                   dtype=torch.long, device=device)  # [B, blocks]
+
+    def write(self, layer: int, positions: Tensor, k: Tensor, v: Tensor) -> None:
+        blocks = self.tables.gather(1, positions // self.bs)  # [B, T]
+        offsets = positions % self.bs
+        self.k[layer][blocks, offsets] = k.to(self.k[layer].dtype)
+        self.v[layer][blocks, offsets] = v.to(self.v[layer].dtype)
+
+    def read(self, layer: int, length: int) -> tuple[Tensor, Tensor]:
+        n = -(-length // self.bs)
+        idx = self.tables[:, :n]  # [B, n]
+        B = idx.shape[0]
+        k = self.k[layer][idx].reshape(B, n * self.bs, *self.k[layer].shape[2:])
+        v = self.v[layer][idx].reshape(B, n * self.bs, *self.v[layer].shape[2:])
+        return k[:, :length], v[:, :length]
+
+
+class _States(Sequence):
+    """The recurrent state after each position of one row of a forward, picked lazily (a
+    rollback is a pick, not a recompute)."""
+
+    def __init__(self, out, row: int, n: int, per_position: bool) -> None:
+        self.out, self.row, self.n, self.per_position = out, row, n, per_position
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[Any, int, int]:
+        i = range(self.n)[i]
+        if not self.per_position and i != self.n - 1:
+            raise MissingStatePart(f"the state after position {i} of a long forward is kept "
+                                   "only at its end")
+        return self.out, self.row, i
+
+
+class TorchModel:
+    def __init__(self, net: HybridModel, *, num_blocks: int, block_size: int, num_slots: int,
+                 identity: str, device: str | torch.device = "cpu") -> None:
+        self.net = net.eval()
+        self.config = c = net.config
+        self.dtype = next(net.parameters()).dtype
+        self.dtypes = str(self.dtype).removeprefix("torch.")
+        self.identity, self.device = identity, torch.device(device)
+        self.vocab_size, self.block_size = c.vocab_size, block_size
+
+        def blocks(keys):
+            shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+            return ({i: self._zeros(shape) for i in keys}, {i: self._zeros(shape) for i in keys})
+
+        self.kv_k, self.kv_v = blocks(c.attention_layers)
+        self.mtp_k, self.mtp_v = blocks(range(c.mtp_num_hidden_layers) if net.has_mtp else ())
+        self.conv = {i: self._zeros((num_slots, c.conv_dim, c.linear_conv_kernel_dim - 1))
+                     for i in c.linear_layers}
+        self.recurrent = {i: self._zeros((num_slots, c.linear_num_value_heads,
+                                          c.linear_key_head_dim, c.linear_value_head_dim),
+                                         state_dtype(self.dtype)) for i in c.linear_layers}
+        self.hidden = self._zeros((num_slots, c.hidden_size))
+        self.hidden_valid = [False] * num_slots
+        self._launched = self._completed = 0
+
+    def _zeros(self, shape, dtype=None) -> Tensor:
+        return torch.zeros(shape, dtype=dtype or self.dtype, device=self.device)
+
+    # --- the forward --------------------------------------------------------------------
+
+    def _state(self, slots: Sequence[int], tables) -> HybridState:
+        idx = torch.tensor(list(slots), device=self.device)
+        gdn = {i: GDNState(self.conv[i][idx], self.recurrent[i][idx]) for i in self.conv}
+        return HybridState(gdn, PagedKV(self.kv_k, self.kv_v, self.block_size, tables))
+
+    def forward(self, lane: Lane, tokens: Sequence[int], start: int) -> Forward:
+        return self.forward_batch([(lane, tokens, start)])[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, items: Sequence[tuple[Lane, Sequence[int], int]]) -> list[Forward]:
+        """Several lanes' forwards; lanes feeding the same number of tokens share one batched
+        call (decode and verify rounds of equal length)."""
+        results: list[Forward | None] = [None] * len(items)
+        groups: dict[int, list[int]] = {}
+        for index, (_, tokens, _) in enumerate(items):
+            groups.setdefault(len(tokens), []).append(index)
+        for n, members in groups.items():
+            lanes = [items[m][0] for m in members]
+            ids = torch.tensor([list(items[m][1]) for m in members], device=self.device)
+            starts = torch.tensor([items[m][2] for m in members], device=self.device)
+            positions = starts[:, None] + torch.arange(n, device=self.device)  # [B, T]
+            per_position = n <= VERIFY_STATES_UP_TO
+            state = self._state([lane.slot for lane in lanes], [lane.attn_blocks for lane in lanes])
+            self._launched += 1
+            out = self.net.forward(ids, positions, state, all_states=per_position)
+            greedy = out.logits.argmax(-1).tolist()  # [B][T]
+            for row, m in enumerate(members):
+                results[m] = Forward(greedy[row], list(out.hidden[row]),
+                                     _States(out, row, n, per_position), out.logits[row])
+        return results
+
+    def accept(self, lane: Lane, state, hidden=None) -> None:
+        out, row, i = state
+        for layer in self.conv:
+            if out.states is not None:
+                conv, rec = out.states[layer].conv[row, i], out.states[layer].recurrent[row, i]
+            else:
+                conv, rec = out.state.gdn[layer].conv[row], out.state.gdn[layer].recurrent[row]
+            self.conv[layer][lane.slot] = conv
+            self.recurrent[layer][lane.slot] = rec
+        self._set_hidden(lane.slot, hidden)
+
+    def _set_hidden(self, slot: int, hidden: Tensor | None) -> None:
+        self.hidden_valid[slot] = hidden is not None
+        if hidden is not None:
+            self.hidden[slot] = hidden
+
+    def init_slot(self, lane: Lane) -> None:
+        for layer in self.conv:
+            self.conv[layer][lane.slot] = 0
+            self.recurrent[layer][lane.slot] = 0
+        self.hidden_valid[lane.slot] = False
+
+    def load_hidden(self, slot: int) -> Tensor | None:
+        return self.hidden[slot].clone() if self.hidden_valid[slot] else None
+
+    @torch.inference_mode()
+    def mtp(self, lane: Lane, position: int, hidden: Tensor, next_token: int) -> MtpOut:
+        self._launched += 1
+        net = self.net
+        positions = torch.tensor([[position]], device=self.device)
+        ids = torch.tensor([[next_token]], device=self.device)
+        kv = PagedKV(self.mtp_k, self.mtp_v, self.block_size, [lane.mtp_blocks])
+        out = net.mtp_forward(hidden[None, None], ids, positions, kv)
+        logits = out.logits[0, 0]
+        return MtpOut(int(logits.argmax()), out.hidden[0, 0], logits)
+
+    # --- storage ------------------------------------------------------------------------
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        self._launched += 1
+        for layer in self.conv:
+            self.conv[layer][dst] = self.conv[layer][src]
+            self.recurrent[layer][dst] = self.recurrent[layer][src]
+        self.hidden[dst] = self.hidden[src]
+        self.hidden_valid[dst] = self.hidden_valid[src]
+
+    def copy_block(self, src: int, dst: int, n: int) -> None:
+        self._launched += 1
+        for store in (self.kv_k, self.kv_v, self.mtp_k, self.mtp_v):
+            for t in store.values():
+                t[dst, :n] = t[src, :n]
+
+    def fence(self) -> int:
+        return self._launched
+
+    def completed(self, marker: int) -> bool:
+        return marker <= self._completed
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._completed = self._launched
+
+    # --- exactness ----------------------------------------------------------------------
+
+    def read_parts(self, lane: Lane, position: int, mtp_kv: int) -> Parts:
+        kv = PagedKV(self.kv_k, self.kv_v, self.block_size, [lane.attn_blocks])
+        attn = tuple(t for i in self.kv_k for t in kv.read(i, position))
+        mtp: tuple = ()
+        if mtp_kv:
+            mkv = PagedKV(self.mtp_k, self.mtp_v, self.block_size, [lane.mtp_blocks])
+            mtp = tuple(t for i in self.mtp_k for t in mkv.read(i, mtp_kv))
+        recurrent = tuple(t for i in self.conv
+                          for t in (self.conv[i][lane.slot][None],
+                                    self.recurrent[i][lane.slot][None]))
+        return Parts(attn, recurrent, mtp, self.load_hidden(lane.slot))
+
+    @torch.inference_mode()
+    def reference_parts(self, tokens: Sequence[int], mtp: bool) -> Parts:
+        """The parts at len(tokens), recomputed in one prefill with contiguous KV."""
+        c = self.config
+        kv = ContiguousKV()
+        state = HybridState.initial(c, 1, self.dtype, self.device, kv)
+        n = len(tokens)
+        ids = torch.tensor([list(tokens)], device=self.device)
+        positions = torch.arange(n, device=self.device)[None]
+        out = self.net.forward(ids, positions, state)
+        attn = tuple(t for i in self.kv_k for t in kv.read(i, n))
+        recurrent = tuple(t for i in self.conv
+                          for t in (out.state.gdn[i].conv, out.state.gdn[i].recurrent))
+        mtp_parts: tuple = ()
+        hidden = None
+        if mtp and self.net.has_mtp:
+            hidden = out.hidden[0, -1]
+            mkv = ContiguousKV()
+            if n > 1:
+                self.net.mtp_forward(out.hidden[:, :-1], ids[:, 1:], positions[:, :-1], mkv)
+                mtp_parts = tuple(t for i in self.mtp_k for t in mkv.read(i, n - 1))
+        return Parts(attn, recurrent, mtp_parts, hidden)
+
+    def parts_match(self, got: Parts, ref: Parts) -> str | None:
+        tol = TOLERANCE.get(self.dtype, 1e-4)
+        for name in ("attn_kv", "recurrent", "mtp_kv", "hidden"):
+            a, b = getattr(got, name), getattr(ref, name)
+            a = a if isinstance(a, tuple) else (a,)
+            b = b if isinstance(b, tuple) else (b,)
+            if len(a) != len(b) or any(
+                    (x is None) != (y is None)
+                    or (x is not None and (x.shape != y.shape
+                                           or not torch.allclose(x.to(y.dtype), y, atol=tol,
+                                                                 rtol=tol)))
+                    for x, y in zip(a, b, strict=False)):
+                return name
+        return None
+
+    @torch.inference_mode()
+    def reference_generate(self, tokens: Sequence[int], max_tokens: int,
+                           stop_tokens: Sequence[int] = ()) -> list[int]:
+        """A plain Root run with contiguous KV: greedy continuation of `tokens`."""
+        state = HybridState.initial(self.config, 1, self.dtype, self.device)
+        ids = torch.tensor([list(tokens)], device=self.device)
+        positions = torch.arange(len(tokens), device=self.device)[None]
+        out_tokens: list[int] = []
+        while True:
+            out = self.net.forward(ids, positions, state)
+            token = int(out.logits[0, -1].argmax())
+            out_tokens.append(token)
+            if len(out_tokens) >= max_tokens or token in stop_tokens:
+                return out_tokens
+            state = out.state
+            ids = torch.tensor([[token]], device=self.device)
+            positions = positions[:, -1:] + 1

@@ -1,0 +1,107 @@
+"""The engine on the torch model, in float64 on the CPU: reuse, drafting, chunking and batch
+composition change nothing (DESIGN.md's tie rule), and the lifecycle's state machine runs
+on it too."""
+
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from ninfer.engine.engine import EngineConfig
+from ninfer.engine.runner import Runner
+from ninfer.testing.harness import Harness
+from ninfer.testing.stateful import LifecycleMachine
+
+from .nets import agree_until_tie, reference, torch_factory
+
+PROMPT = tuple((i * 7 + 3) % 97 for i in range(29))
+
+
+def _harness(spec="none", chunk=6, lanes=1, **kw):
+    return Harness(EngineConfig(spec=spec, prefill_chunk=chunk, max_concurrency=lanes,
+                                draft_tokens=3, check_reuse=True, **kw),
+                   model_factory=torch_factory)
+
+
+def _run(h, prompt, max_tokens=8, session="s"):
+    rid = h.submit(prompt, session, max_tokens=max_tokens)
+    h.run()
+    h.check()
+    return h.request(rid)
+
+
+@pytest.mark.parametrize("spec", ["none", "mtp", "ngram"])
+def test_drafting_and_reuse_equal_a_root_run(spec):
+    h = _harness(spec)
+    first = _run(h, PROMPT)
+    ref, gaps = reference(PROMPT, 8)
+    assert agree_until_tie(first.outputs, ref, gaps)
+    turn2 = PROMPT + tuple(first.outputs) + (5, 6, 7)
+    second = _run(h, turn2)
+    assert (second.plan.kind, second.plan.reuse_base) == ("PrivateEndpoint", len(PROMPT) + 7)
+    ref, gaps = reference(turn2, 8)
+    assert agree_until_tie(second.outputs, ref, gaps)
+
+
+@pytest.mark.parametrize("spec", ["mtp", "ngram"])
+def test_accepted_and_rejected_drafts_roll_every_part_back(spec, monkeypatch):
+    """A random MTP head rarely agrees with a random model, so the drafter is replaced by
+    one that knows the answer and errs on every third token: rounds then accept 0..k
+    drafts, and every part must be rolled back to the last accepted token."""
+    ref, gaps = reference(PROMPT, 16)
+    real_draft = Runner.draft
+
+    def oracle(self, lane, seq, frontier, k, choice):
+        real_draft(self, lane, seq, frontier, k, choice)  # the MTP layer still runs
+        done = len(seq) - len(PROMPT)
+        drafts = list(ref[done:done + k])
+        return [t if (done + i) % 3 else (t + 1) % 97 for i, t in enumerate(drafts)], None
+
+    monkeypatch.setattr(Runner, "draft", oracle)
+    h = _harness(spec)
+    r = _run(h, PROMPT, max_tokens=16)
+    commits = [e for e in h.journal.read() if e.kind == "TokensCommitted" and e.drafted]
+    assert sum(e.accepted for e in commits) > 0
+    assert any(e.accepted < e.drafted for e in commits)
+    assert agree_until_tie(r.outputs, ref, gaps)
+    nxt = _run(h, PROMPT + tuple(r.outputs) + (1, 2))  # check_reuse: parts at the frontier
+    assert nxt.plan.reuse_base == len(PROMPT) + 15
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 11, 64])
+def test_chunk_size_changes_nothing(chunk):
+    r = _run(_harness(chunk=chunk), PROMPT)
+    ref, gaps = reference(PROMPT, 8)
+    assert agree_until_tie(r.outputs, ref, gaps)
+
+
+def test_cut_prefill_under_mtp_resumes_and_equals_root():
+    h = _harness("mtp", chunk=5)
+    cut = h.submit(PROMPT, "s", max_tokens=8)
+    h.step(3)
+    h.engine.cancel(cut)
+    h.step()
+    r = _run(h, PROMPT)
+    assert 0 < r.plan.reuse_base < 15
+    ref, gaps = reference(PROMPT, 8)
+    assert agree_until_tie(r.outputs, ref, gaps)
+
+
+def test_lanes_side_by_side_change_nothing():
+    h = _harness("mtp", lanes=3)
+    prompts = [PROMPT, PROMPT[::-1], PROMPT[5:] + PROMPT[:5]]
+    ids = [h.submit(p, f"s{i}", max_tokens=6) for i, p in enumerate(prompts)]
+    h.run()
+    h.check()
+    for rid, prompt in zip(ids, prompts, strict=True):
+        ref, gaps = reference(prompt, 6)
+        assert agree_until_tie(h.request(rid).outputs, ref, gaps)
+
+
+class TorchLifecycle(LifecycleMachine):
+    model_factory = staticmethod(torch_factory)
+
+
+def test_the_lifecycle_machine_runs_on_the_torch_model():
+    run_state_machine_as_test(TorchLifecycle, settings=settings(
+        max_examples=10, stateful_step_count=20, deadline=None, derandomize=True,
+        database=None))
