@@ -17,6 +17,12 @@ def _bench(args: argparse.Namespace) -> int:
     return bench_lifecycle(events=args.events, requests=args.requests, json_path=args.json)
 
 
+def _bench_engine(args: argparse.Namespace) -> int:
+    from .bench.engine import main as bench_engine
+    return bench_engine(model=args.model, device=args.device, dtype=args.dtype,
+                        json_path=args.json, quick=args.quick)
+
+
 def _make_tiny(args: argparse.Namespace) -> int:
     from .model.tiny import make_tiny
     print(make_tiny(args.dir, family=args.family, moe=args.moe, seed=args.seed,
@@ -88,6 +94,18 @@ def build_parser() -> argparse.ArgumentParser:
                            help="requests driven through the lifecycle (default 20,000)")
     lifecycle.add_argument("--json", default=None, help="also write the results to this file")
     lifecycle.set_defaults(func=_bench)
+    engine = bench_sub.add_parser(
+        "engine", help="prefill and decode rates, drafting gains, checkpoint sizes, and turn-2 "
+                       "over turn-1 time to first token at 4K and 16K tokens")
+    engine.add_argument("--model", default=None,
+                        help="model directory or .ninfer file (default: the embedded tiny model)")
+    engine.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    engine.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"],
+                        help="compute dtype (default float32)")
+    engine.add_argument("--quick", action="store_true",
+                        help="short prompts only (a smoke run, not the reported figures)")
+    engine.add_argument("--json", default=None, help="also write the results to this file")
+    engine.set_defaults(func=_bench_engine)
     return parser
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig
@@ -99,16 +100,16 @@ class GatedAttention(nn.Module):
         kv.write(layer, positions, k, v)
         length = int(positions.max()) + 1
         keys, values = kv.read(layer, length)  # [B, L, Hkv, D]
-        group = H // Hkv  # query head h reads KV head h // group
-        keys = keys.repeat_interleave(group, dim=2)
-        values = values.repeat_interleave(group, dim=2)
-
         wide = compute_dtype(x)
-        scores = torch.einsum("bthd,blhd->bhtl", q.to(wide), keys.to(wide)) * D ** -0.5
-        key_pos = torch.arange(length, device=x.device)
-        visible = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, L]
-        scores = scores.masked_fill(~visible[:, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(x.dtype)  # [B, H, T, L]
-        out = torch.einsum("bhtl,blhd->bthd", probs, values)  # [B, T, H, D]
+        q_, k_, v_ = (t.transpose(1, 2).to(wide) for t in (q, keys, values))  # [B, H*, ., D]
+        mask, causal = None, False
+        if B == 1 and length == T:  # a prefill from position 0: plain causal
+            causal = T > 1
+        elif not (B == 1 and T == 1):  # one decode row sees everything it wrote
+            key_pos = torch.arange(length, device=x.device)
+            mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, L]
+        out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, is_causal=causal,
+                                             scale=D ** -0.5, enable_gqa=H != Hkv)
+        out = out.transpose(1, 2).to(x.dtype)  # [B, T, H, D]
         out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(B, T, H * D))

@@ -1,0 +1,190 @@
+"""`ninfer bench engine`: the engine on a real model (the default tiny one unless --model).
+
+Figures, each from the same run: prefill tok/s; decode tok/s at batch 1/4/8; tokens per
+verify and speedup over plain decode for MTP and n-gram drafting (as the model drafts, and
+with drafts forced right or forced wrong, which bound what drafting can gain or cost); bytes
+per checkpoint and per KV token; time to first token of turn 2 over turn 1 at 4K and 16K
+tokens of context (turn 2 = turn 1 + its reply + a new message of 30 tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+
+from tqdm import tqdm
+
+from ..engine.engine import Engine, EngineConfig, Submit, run_until_idle
+from ..engine.runner import Runner
+from ..lifecycle.request import SamplingParams
+from ..model.runtime import open_model
+
+TARGETS = {"turn2_ratio_16k": ("<=", 0.013), "turn2_ratio_4k": ("<=", 0.038),
+           "prefill_tok_s": (">=", 1650.0), "decode_tok_s_b1": (">=", 175.0)}
+
+
+class Bench:
+    def __init__(self, path: str | None, device: str, dtype: str) -> None:
+        self.om = open_model(path, device=device, dtype=dtype, kv_capacity=80_000,
+                             num_slots=48)
+        self.vocab = min(self.om.files.config.vocab_size, self.om.tokenizer.vocab_size)
+        self.rng = random.Random(0)
+        self.ids = 0
+        self.decode(1, tokens=8)  # warm-up: first calls allocate and initialise
+
+    def engine(self, **kw) -> Engine:
+        om = self.om
+        for block in range(om.blocks.num_blocks):  # a fresh pool view over the same storage
+            om.blocks.refs[block] = 0
+        om.blocks.__init__(om.blocks.num_blocks, om.blocks.block_size)
+        om.slots.__init__(om.slots.num_slots)
+        config = EngineConfig(**{"max_context": 40_000, "prefill_chunk": 2048,
+                                 "max_endpoints": 64, **kw})
+        engine = Engine(om.model, config, blocks=om.blocks, slots=om.slots)
+        engine.recover()
+        return engine
+
+    def prompt(self, n: int) -> tuple[int, ...]:
+        return tuple(self.rng.randrange(self.vocab) for _ in range(n))
+
+    def submit(self, engine: Engine, prompt, max_tokens: int, session: str = "s") -> str:
+        self.ids += 1
+        rid = f"b{self.ids}"
+        engine.submit(Submit(rid, tuple(prompt), session, "bench", SamplingParams(max_tokens)))
+        return rid
+
+    def ttft(self, engine: Engine, prompt, max_tokens: int = 16) -> tuple[float, str]:
+        """Seconds from submit to the first token, then run to the end."""
+        rid = self.submit(engine, prompt, max_tokens)
+        t0 = time.perf_counter()
+        while not engine.requests.get(rid) or not engine.requests[rid].outputs:
+            engine.step()
+        first = time.perf_counter() - t0
+        run_until_idle(engine)
+        return first, rid
+
+    def prefill(self, n: int = 4096) -> dict:
+        engine = self.engine()
+        self.ttft(engine, self.prompt(64), 2)  # warm-up
+        seconds, _ = self.ttft(engine, self.prompt(n), 1)
+        return {"prefill_tok_s": n / seconds, "tokens": n}
+
+    def decode(self, batch: int, tokens: int = 64, spec: str = "none", context: int = 64,
+               drafts: str | None = None) -> dict:
+        engine = self.engine(spec=spec, max_concurrency=batch, draft_tokens=3)
+        prompts = [self.prompt(context) for _ in range(batch)]
+        answers = ({p: self.om.model.reference_generate(p, tokens + 4) for p in prompts}
+                   if drafts == "accept" else {})
+        ids = [self.submit(engine, p, tokens, f"d{i}") for i, p in enumerate(prompts)]
+        while any(not engine.requests.get(r) or not engine.requests[r].outputs for r in ids):
+            engine.step()  # prefill everyone first: this figure is decode only
+        rounds = []
+        engine.log.listeners.append(
+            lambda e: rounds.append((e.drafted, e.accepted)) if e.kind == "TokensCommitted"
+            else None)
+        restore = _force_drafts(drafts, answers)
+        try:
+            t0 = time.perf_counter()
+            run_until_idle(engine)
+            seconds = time.perf_counter() - t0
+        finally:
+            restore()
+        done = sum(len(engine.requests[r].outputs) - 1 for r in ids)
+        return {"tok_s": done / seconds, "tokens": done, "verifies": len(rounds),
+                "tokens_per_verify": done / max(len(rounds), 1),
+                "drafted": sum(d for d, _ in rounds), "accepted": sum(a for _, a in rounds)}
+
+    def turn2(self, n: int) -> dict:
+        engine = self.engine()
+        first = self.prompt(n)
+        t1, rid = self.ttft(engine, first, 16)
+        second = first + tuple(engine.requests[rid].outputs) + self.prompt(30)
+        t2, rid2 = self.ttft(engine, second, 4)
+        return {"turn1_s": t1, "turn2_s": t2, "ratio": t2 / t1,
+                "reused": engine.requests[rid2].reuse_base, "prompt": len(second)}
+
+    def sizes(self) -> dict:
+        m = self.om.model
+        per_kv = sum(t[0, 0].numel() * t.element_size()
+                     for store in (m.kv_k, m.kv_v) for t in store.values())
+        per_mtp = sum(t[0, 0].numel() * t.element_size()
+                      for store in (m.mtp_k, m.mtp_v) for t in store.values())
+        slot = sum(t[0].numel() * t.element_size()
+                   for store in (m.conv, m.recurrent) for t in store.values())
+        slot += m.hidden[0].numel() * m.hidden.element_size()
+        return {"bytes_per_kv_token": per_kv + per_mtp, "bytes_per_checkpoint_state": slot}
+
+
+def _force_drafts(mode: str | None, answers: dict):
+    """Replace the drafter by one that is always right ("accept", from each prompt's
+    precomputed greedy continuation in `answers`) or always wrong ("reject"); returns the
+    function that puts the real one back."""
+    if mode is None:
+        return lambda: None
+    real = Runner.draft
+
+    def forced(self, lane, seq, frontier, k, choice):
+        real(self, lane, seq, frontier, k, choice)  # the drafter's own work still runs
+        if k <= 0:
+            return [], None
+        if mode == "reject":
+            return [(seq[-1] + 1 + i) % self.model.vocab_size for i in range(k)], None
+        for prompt, answer in answers.items():
+            if tuple(seq[:len(prompt)]) == prompt:
+                done = len(seq) - len(prompt)
+                return list(answer[done:done + k]), None
+        return [], None
+
+    Runner.draft = forced
+    return lambda: setattr(Runner, "draft", real)
+
+
+def main(model: str | None = None, device: str = "cpu", dtype: str = "float32",
+         json_path: str | None = None, quick: bool = False) -> int:
+    b = Bench(model, device, dtype)
+    results: dict = {"model": b.om.name, "device": device, "dtype": dtype}
+    steps = [("prefill", lambda: b.prefill(1024 if quick else 4096))]
+    for batch in (1, 4, 8):
+        steps.append((f"decode_b{batch}", lambda batch=batch: b.decode(batch)))
+    for spec in ("mtp", "ngram"):
+        for drafts in (None, "accept", "reject"):
+            name = f"{spec}_{drafts or 'model'}"
+            steps.append((name, lambda s=spec, d=drafts: b.decode(1, spec=s, drafts=d)))
+    for n in ((1024,) if quick else (4096, 16384)):
+        steps.append((f"turn2_{n // 1024}k", lambda n=n: b.turn2(n)))
+    steps.append(("sizes", b.sizes))
+    for name, run in tqdm(steps, desc="bench engine", file=sys.stderr, leave=False):
+        results[name] = run()
+    _report(results)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+def _report(r: dict) -> None:
+    plain = r["decode_b1"]["tok_s"]
+    rows = [(f"prefill ({r['prefill']['tokens']:,}-token prompt)",
+             f"{r['prefill']['prefill_tok_s']:,.0f} tok/s")]
+    rows += [(f"decode, batch {b}", f"{r[f'decode_b{b}']['tok_s']:,.0f} tok/s")
+             for b in (1, 4, 8)]
+    for key in [k for k in r if k.startswith(("mtp_", "ngram_"))]:
+        x = r[key]
+        rows.append((f"{key.replace('_', ' drafts ', 1)}",
+                     f"{x['tok_s']:,.0f} tok/s ({x['tok_s'] / plain:.2f}x plain), "
+                     f"{x['tokens_per_verify']:.2f} tokens per verify"))
+    for key in [k for k in r if k.startswith("turn2_")]:
+        t = r[key]
+        rows.append((f"turn 2 / turn 1 TTFT, {key[6:]}",
+                     f"{t['ratio']:.4f} ({t['turn2_s'] * 1e3:.1f} ms / {t['turn1_s']:.2f} s, "
+                     f"reused {t['reused']:,} of {t['prompt']:,})"))
+    rows.append(("bytes per KV token (attention + MTP)", f"{r['sizes']['bytes_per_kv_token']:,}"))
+    rows.append(("bytes per checkpoint (recurrent slot)",
+                 f"{r['sizes']['bytes_per_checkpoint_state']:,}"))
+    width = max(len(a) for a, _ in rows)
+    print(f"ninfer bench engine: {r['model']} on {r['device']} ({r['dtype']})")
+    for a, b in rows:
+        print(f"  {a:<{width}}  {b}")
+    print(json.dumps({"bench": "engine", "results": r}))
