@@ -335,7 +335,9 @@ class Engine:
             if not request.outputs:  # a fresh request: end > start always (reuse < target)
                 first = live.choice.next(greedy, logits)
                 request.outputs.append(first)
-                request.emit(ev.TokensCommitted, tokens=(first,), frontier=request.cursor)
+                request.emit(ev.TokensCommitted, tokens=(first,), frontier=request.cursor,
+                             logprobs=_logprobs(request, None if logits is None
+                                                else logits[None], (first,)))
             machine.fire(request, "prefilled", first_token=first)
             self._check_stop(request, None)
 
@@ -440,7 +442,8 @@ class Engine:
         self.runner.commit(lane, rnd, count, frontier, request.sequence)
         request.cursor = frontier + count
         request.emit(ev.TokensCommitted, tokens=committed, frontier=request.cursor,
-                     drafted=rnd.drafted, accepted=min(rnd.accepted, count))
+                     drafted=rnd.drafted, accepted=min(rnd.accepted, count),
+                     logprobs=_logprobs(request, out.logits, committed))
         self._check_stop(request, reason)
 
     def _check_stop(self, request: Request, reason: str | None) -> None:
@@ -569,6 +572,14 @@ class Engine:
             self.runner.release_lane(live.lane)
         self.live.clear()
         return self.held
+
+
+def _logprobs(request: Request, rows, tokens) -> tuple[dict, ...] | None:
+    """Log-probabilities of committed tokens, when asked for and the model has logits."""
+    if request.params.logprobs <= 0 or rows is None:
+        return None
+    from .sampling import token_logprobs
+    return token_logprobs(rows, tokens, request.params.logprobs)
 
 
 def _hashes(request: Request) -> tuple[int, ...]:

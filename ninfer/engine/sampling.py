@@ -74,6 +74,18 @@ def top_logprobs(logits: torch.Tensor, n: int) -> list[tuple[int, float]]:
     return [(int(i), float(v)) for i, v in zip(ids, values, strict=True)]
 
 
+def token_logprobs(rows: torch.Tensor, tokens, n: int) -> tuple[dict, ...]:
+    """For each chosen token (row i of logits [k, V] predicted tokens[i]): its
+    log-probability and the top n alternatives, as OpenAI reports them."""
+    logp = torch.log_softmax(rows.to(torch.float64), dim=-1)
+    out = []
+    for row, token in zip(logp, tokens, strict=False):
+        values, ids = row.topk(n)
+        out.append({"token": int(token), "logprob": float(row[token]),
+                    "top": [[int(i), float(v)] for i, v in zip(ids, values, strict=True)]})
+    return tuple(out)
+
+
 def accept_drafts(drafts: Sequence[int], target: torch.Tensor, draft: torch.Tensor | None,
                   cfg: SamplingConfig, generator: torch.Generator | None
                   ) -> tuple[int, int]:

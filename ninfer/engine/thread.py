@@ -1,16 +1,25 @@
 """The engine thread: the only thread that touches the machine, the store and the journal.
 
 Other threads call `submit` and `cancel`, which validate and enqueue; each request's events
-reach its `Handle` through a queue (the server streams from it)."""
+reach its `Handle` through a queue (the server streams from it), and through the handle's
+optional `on_event` callback (the server bridges it into its event loop). `call(fn)` runs a
+function on the engine thread between two steps (metrics snapshots, operator evictions)."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 import queue
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..lifecycle import events as ev
 from .engine import Engine, Submit
+
+log = logging.getLogger("ninfer.engine")
 
 
 @dataclass(eq=False)
@@ -19,6 +28,11 @@ class Handle:
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     done: threading.Event = field(default_factory=threading.Event)
     outcome: ev.Event | None = None   # the terminal event
+    on_event: Callable[[ev.Event], None] | None = None  # called on the engine thread
+    cancel_asked: float | None = None     # monotonic time of the first cancel
+    cancel_step: int | None = None        # engine.steps when the cancel was asked
+    cancel_latency: float | None = None   # seconds from the cancel to RequestCancelled
+    cancel_steps: int | None = None       # engine steps begun between the two
 
     def wait(self, timeout: float | None = None) -> ev.Event | None:
         self.done.wait(timeout)
@@ -26,16 +40,28 @@ class Handle:
 
 
 class EngineThread:
-    def __init__(self, engine: Engine, *, idle_wait: float = 0.05) -> None:
+    """`step_delay` (seconds) sleeps after every engine step: a test and demo aid that
+    slows the model down so a client can place a disconnect in a chosen phase."""
+
+    def __init__(self, engine: Engine, *, idle_wait: float = 0.05,
+                 step_delay: float = 0.0) -> None:
         self.engine = engine
         self.idle_wait = idle_wait
+        self.step_delay = step_delay
         self._handles: dict[str, Handle] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._running = False
         self._thread = threading.Thread(target=self._loop, name="ninfer-engine", daemon=True)
         self.error: BaseException | None = None
+        self.cancel_latencies: list[tuple[float, int]] = []  # (seconds, steps), bounded
+        self.on_cancel_latency: Callable[[float, int], None] | None = None
         engine.log.listeners.append(self._route)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
 
     def start(self) -> EngineThread:
         self._running = True
@@ -47,9 +73,13 @@ class EngineThread:
         self._wake.set()
         self._thread.join(timeout)
 
-    def submit(self, command: Submit) -> Handle:
-        """Validate (raises ValueError) and enqueue; the handle follows the request."""
-        handle = Handle(command.id)
+    def submit(self, command: Submit, *,
+               on_event: Callable[[ev.Event], None] | None = None) -> Handle:
+        """Validate (raises ValueError) and enqueue; the handle follows the request.
+        `on_event` is set before the request can emit anything, so it sees every event."""
+        if self.error is not None:
+            raise RuntimeError(f"the engine thread stopped: {self.error!r}")
+        handle = Handle(command.id, on_event=on_event)
         with self._lock:
             if command.id in self._handles:
                 raise ValueError(f"request id {command.id} is already in use")
@@ -64,8 +94,23 @@ class EngineThread:
         return handle
 
     def cancel(self, request_id: str) -> None:
+        with self._lock:
+            handle = self._handles.get(request_id)
+            if handle is not None and handle.cancel_asked is None:
+                handle.cancel_asked = time.monotonic()
+                handle.cancel_step = self.engine.steps
         self.engine.cancel(request_id)
         self._wake.set()
+
+    def call(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future:
+        """Run `fn(engine)` on the engine thread at the next step boundary."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self.error is not None or not self._thread.is_alive():
+            future.set_exception(RuntimeError("the engine thread is not running"))
+            return future
+        self._calls.put((fn, future))
+        self._wake.set()
+        return future
 
     def _route(self, event: ev.Event) -> None:  # runs on the engine thread
         if event.request is None:
@@ -76,19 +121,67 @@ class EngineThread:
                 del self._handles[event.request]
         if handle is None:
             return
+        if event.kind == "RequestCancelled" and handle.cancel_asked is not None:
+            handle.cancel_latency = time.monotonic() - handle.cancel_asked
+            handle.cancel_steps = self.engine.steps - (handle.cancel_step or 0)
+            self._record_cancel(handle.cancel_latency, handle.cancel_steps)
+        self._deliver(handle, event)
+
+    def _deliver(self, handle: Handle, event: ev.Event) -> None:
         handle.events.put(event)
         if event.kind in ev.TERMINAL_KINDS:
             handle.outcome = event
+        if handle.on_event is not None:
+            try:
+                handle.on_event(event)
+            except Exception:  # a consumer's bug must not stop the engine
+                log.exception("event consumer of %s failed", handle.id)
+        if event.kind in ev.TERMINAL_KINDS:
             handle.done.set()
+
+    def _record_cancel(self, seconds: float, steps: int) -> None:
+        self.cancel_latencies.append((seconds, steps))
+        del self.cancel_latencies[:-1000]
+        if self.on_cancel_latency is not None:
+            self.on_cancel_latency(seconds, steps)
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.engine))
+                except Exception as exc:
+                    future.set_exception(exc)
 
     def _loop(self) -> None:
         try:
             while self._running:
+                self._run_calls()
                 if self.engine.idle():
                     self._wake.wait(self.idle_wait)
                     self._wake.clear()
                     continue
                 self.engine.step()
+                if self.step_delay:
+                    time.sleep(self.step_delay)
         except BaseException as exc:  # surfaced to whoever owns the thread
             self.error = exc
+            log.critical("engine thread stopped: %r", exc, exc_info=True)
+            self._abandon(exc)
             raise
+        finally:
+            self._run_calls()  # nobody waits forever on a call made while stopping
+
+    def _abandon(self, exc: BaseException) -> None:
+        """The loop died: end every open handle with a RequestFailed (not journaled), so
+        no client waits forever."""
+        with self._lock:
+            handles, self._handles = list(self._handles.values()), {}
+        for handle in handles:
+            failed = ev.RequestFailed(request=handle.id, failure="internal",
+                                      message=f"engine stopped: {exc!r}")
+            self._deliver(handle, failed)

@@ -153,6 +153,8 @@ class TokensCommitted(Event):
     frontier: int               # state frontier after the commit
     drafted: int = 0
     accepted: int = 0
+    # only when the request asked for them: per token {"token", "logprob", "top": [[id, lp]]}
+    logprobs: tuple[dict, ...] | None = None
 
 
 # --- store and server ---------------------------------------------------------------------

@@ -105,3 +105,20 @@ def test_the_lifecycle_machine_runs_on_the_torch_model():
     run_state_machine_as_test(TorchLifecycle, settings=settings(
         max_examples=10, stateful_step_count=20, deadline=None, derandomize=True,
         database=None))
+
+
+def test_logprobs_are_reported_for_each_committed_token():
+    import dataclasses
+
+    from ninfer.engine.engine import Submit
+    from ninfer.lifecycle.request import SamplingParams
+    h = _harness("none")
+    h.engine.submit(Submit("lp", PROMPT, "s", "t", dataclasses.replace(
+        SamplingParams(max_tokens=4), logprobs=3)))
+    h.run()
+    commits = [e for e in h.journal.read() if e.kind == "TokensCommitted" and e.request == "lp"]
+    reported = [x for e in commits for x in e.logprobs]
+    assert [x["token"] for x in reported] == h.request("lp").outputs
+    for x in reported:  # greedy: the chosen token is the most likely, logprobs sorted
+        assert x["top"][0][0] == x["token"] and x["top"][0][1] == x["logprob"] <= 0
+        assert [lp for _, lp in x["top"]] == sorted((lp for _, lp in x["top"]), reverse=True)
