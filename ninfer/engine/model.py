@@ -81,6 +81,10 @@ class Model(Protocol):
         its MTP KV entry, attend over MTP KV [0, position]; return (draft of the token
         after next_token, MTP output hidden for chaining)."""
 
+    def mtp_span(self, lane: Lane, start: int, hidden: list, next_tokens: list) -> MtpOut:
+        """MTP forwards at positions start.. (one batched call where the model can): write
+        their MTP KV entries; return the last one's output (what a first draft comes from)."""
+
     def copy_slot(self, src: int, dst: int) -> None:
         """Copy a slot: recurrent state, conv tail and last hidden state."""
 

@@ -201,12 +201,15 @@ class Runner:
         """Write MTP KV entries [mtp_valid, upto) from verified hidden states; return the
         last forward's (draft, hidden) for chaining."""
         last = None
-        for pos in range(lane.mtp_valid, upto):
-            hidden = lane.hidden.get(pos)
-            if hidden is None:
-                raise MissingStatePart(f"main hidden state at {pos} is missing for the MTP layer")
-            last = self.model.mtp(lane, pos, hidden, seq[pos + 1])
-            lane.mtp_valid = pos + 1
+        start = lane.mtp_valid
+        if upto > start:
+            hiddens = [lane.hidden.get(pos) for pos in range(start, upto)]
+            if any(h is None for h in hiddens):
+                missing = start + next(i for i, h in enumerate(hiddens) if h is None)
+                raise MissingStatePart(f"main hidden state at {missing} is missing for the MTP "
+                                       "layer")
+            last = self.model.mtp_span(lane, start, hiddens, list(seq[start + 1:upto + 1]))
+            lane.mtp_valid = upto
             lane.fence = self.model.fence()
         for pos in [q for q in lane.hidden if q < lane.mtp_valid and q != upto - 1]:
             del lane.hidden[pos]

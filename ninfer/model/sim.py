@@ -130,6 +130,12 @@ class SimModel:
             draft = (draft + 1) % self.vocab_size
         return MtpOut(draft, out)
 
+    def mtp_span(self, lane: Lane, start: int, hidden: list, next_tokens: list) -> MtpOut:
+        out = None
+        for i, (h, token) in enumerate(zip(hidden, next_tokens, strict=True)):
+            out = self.mtp(lane, start + i, h, token)
+        return out
+
     def copy_slot(self, src: int, dst: int) -> None:
         self._launched += 1
         self.slots[dst] = self.slots[src]

@@ -164,6 +164,21 @@ class TorchModel:
         logits = out.logits[0, 0]
         return MtpOut(int(logits.argmax()), out.hidden[0, 0], logits)
 
+    @torch.inference_mode()
+    def mtp_span(self, lane: Lane, start: int, hidden: list, next_tokens: list) -> MtpOut:
+        """One MTP forward over entries start..start+n-1 (a catch-up); logits only for the
+        last entry, the one a draft is taken from."""
+        self._launched += 1
+        net, n = self.net, len(hidden)
+        positions = torch.arange(start, start + n, device=self.device)[None]  # [1, n]
+        ids = torch.tensor([next_tokens], device=self.device)
+        kv = PagedKV(self.mtp_k, self.mtp_v, self.block_size, [lane.mtp_blocks])
+        h = torch.stack(hidden)[None]  # [1, n, D]
+        y = net.mtp(h, net.model.embed_tokens(ids), positions, net.rope(positions, self.dtype),
+                    kv)
+        logits = net.lm_logits(y[0, -1])
+        return MtpOut(int(logits.argmax()), y[0, -1], logits)
+
     # --- storage ------------------------------------------------------------------------
 
     def copy_slot(self, src: int, dst: int) -> None:
