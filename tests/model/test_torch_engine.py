@@ -122,3 +122,22 @@ def test_logprobs_are_reported_for_each_committed_token():
     for x in reported:  # greedy: the chosen token is the most likely, logprobs sorted
         assert x["top"][0][0] == x["token"] and x["top"][0][1] == x["logprob"] <= 0
         assert [lp for _, lp in x["top"]] == sorted((lp for _, lp in x["top"]), reverse=True)
+
+
+@pytest.mark.parametrize("spec", ["none", "mtp", "ngram"])
+def test_seeded_sampling_is_reproducible_and_drafting_keeps_it_valid(spec):
+    import dataclasses
+
+    from ninfer.engine.engine import Submit
+    from ninfer.lifecycle.request import SamplingParams
+    outs = {}
+    for run, seed in (("a", 7), ("b", 7), ("c", 8)):
+        h = _harness(spec)
+        params = dataclasses.replace(SamplingParams(max_tokens=12), temperature=1.5, top_k=20,
+                                     top_p=0.95, seed=seed, presence_penalty=0.5)
+        h.engine.submit(Submit(run, PROMPT, "s", "t", params))
+        h.run()
+        outs[run] = h.request(run).outputs
+        assert h.request(run).state == "Finished" and len(outs[run]) == 12
+    assert outs["a"] == outs["b"], "the same seed gives the same tokens"
+    assert outs["a"] != outs["c"], "another seed gives others"
