@@ -14,6 +14,7 @@ import random
 import sys
 import time
 
+import torch
 from tqdm import tqdm
 
 from ..engine.engine import Engine, EngineConfig, Submit, run_until_idle
@@ -105,6 +106,30 @@ class Bench:
         return {"turn1_s": t1, "turn2_s": t2, "ratio": t2 / t1,
                 "reused": engine.requests[rid2].reuse_base, "prompt": len(second)}
 
+    def rollback(self, k: int = 3, reps: int = 100) -> dict:
+        """A verify of k+1 positions that keeps the recurrent state after each position
+        (rollback is a pick), against one that keeps only the last and, on a partial accept,
+        recomputes the accepted prefix from the round's start (here half the round)."""
+        from ..model.hybrid import HybridState
+        net, c = self.om.model.net, self.om.files.config
+        ids = torch.tensor([list(self.prompt(k + 1))])
+        pos = torch.arange(100, 101 + k)[None]
+        state = HybridState.initial(c, 1, self.om.model.dtype)
+
+        def timed(run) -> float:
+            run()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                run()
+            return (time.perf_counter() - t0) / reps * 1e3
+
+        with torch.inference_mode():
+            keep = timed(lambda: net.forward(ids, pos, state, all_states=True))
+            half = (k + 1) // 2
+            recompute = timed(lambda: (net.forward(ids, pos, state),
+                                       net.forward(ids[:, :half], pos[:, :half], state)))
+        return {"keep_states_ms": keep, "recompute_ms": recompute}
+
     def sizes(self) -> dict:
         m = self.om.model
         per_kv = sum(t[0, 0].numel() * t.element_size()
@@ -154,6 +179,7 @@ def main(model: str | None = None, device: str = "cpu", dtype: str = "float32",
             steps.append((name, lambda s=spec, d=drafts: b.decode(1, spec=s, drafts=d)))
     for n in ((1024,) if quick else (4096, 16384)):
         steps.append((f"turn2_{n // 1024}k", lambda n=n: b.turn2(n)))
+    steps.append(("rollback", b.rollback))
     steps.append(("sizes", b.sizes))
     for name, run in tqdm(steps, desc="bench engine", file=sys.stderr, leave=False):
         results[name] = run()
@@ -180,6 +206,9 @@ def _report(r: dict) -> None:
         rows.append((f"turn 2 / turn 1 TTFT, {key[6:]}",
                      f"{t['ratio']:.4f} ({t['turn2_s'] * 1e3:.1f} ms / {t['turn1_s']:.2f} s, "
                      f"reused {t['reused']:,} of {t['prompt']:,})"))
+    rb = r["rollback"]
+    rows.append(("verify k=3 keeping per-position states / recomputing",
+                 f"{rb['keep_states_ms']:.2f} ms / {rb['recompute_ms']:.2f} ms"))
     rows.append(("bytes per KV token (attention + MTP)", f"{r['sizes']['bytes_per_kv_token']:,}"))
     rows.append(("bytes per checkpoint (recurrent slot)",
                  f"{r['sizes']['bytes_per_checkpoint_state']:,}"))
