@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint fuzz bench clean
+.PHONY: venv test lint fuzz bench serve clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -26,6 +26,11 @@ fuzz: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/ninfer bench lifecycle
+
+# The OpenAI-compatible server on the embedded default model: ARGS="--port 9000 ..." adds options.
+ARGS ?=
+serve: $(STAMP)
+	$(BIN)/ninfer serve $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -6,6 +6,9 @@ import argparse
 import logging
 import sys
 
+from .bench.serve import add_bench_parser as add_bench_serve_parser
+from .server.serve import add_serve_parser
+
 
 def _fuzz(args: argparse.Namespace) -> int:
     from .fuzz import run_stateful
@@ -49,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING",
                         help="logging level: DEBUG, INFO, WARNING (default), ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(sub)
 
     tiny = sub.add_parser(
         "make-tiny", help="write a small random model (Hugging Face layout) with a trained BPE "
@@ -106,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="short prompts only (a smoke run, not the reported figures)")
     engine.add_argument("--json", default=None, help="also write the results to this file")
     engine.set_defaults(func=_bench_engine)
+    add_bench_serve_parser(bench_sub)
     return parser
 
 

@@ -62,6 +62,15 @@ class Cancel:
     id: str
 
 
+@dataclass(frozen=True)
+class Stop:
+    """End an active request as if it had stopped by itself (a stop string the server
+    found in the text): it finishes and publishes, unlike a cancel."""
+
+    id: str
+    reason: str = "stop_string"
+
+
 @dataclass(eq=False)
 class Live:
     """A request holding a lane."""
@@ -151,6 +160,9 @@ class Engine:
     def cancel(self, request_id: str) -> None:
         self.commands.put(Cancel(request_id))
 
+    def stop_request(self, request_id: str, reason: str = "stop_string") -> None:
+        self.commands.put(Stop(request_id, reason))
+
     def validate(self, c: Submit) -> str | None:
         if not c.prompt:
             return "prompt is empty"
@@ -205,10 +217,14 @@ class Engine:
                 return
             if isinstance(command, Submit):
                 self._admit(command)
-            else:
-                request = self.requests.get(command.id)
-                if request is not None and request.state not in machine.TERMINAL:
-                    self._cancel(request)
+                continue
+            request = self.requests.get(command.id)
+            if isinstance(command, Stop):
+                if request is not None and request.state == "Active":
+                    request.stop_reason = command.reason
+                    machine.fire(request, "stop")
+            elif request is not None and request.state not in machine.TERMINAL:
+                self._cancel(request)
 
     def _admit(self, c: Submit) -> None:
         request = Request(

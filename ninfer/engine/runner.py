@@ -240,8 +240,8 @@ class Runner:
     def forward_many(self, items: list[tuple[Lane, list[int], int]]) -> list:
         """Verify forwards for several lanes, batched when the model can."""
         batch = getattr(self.model, "forward_batch", None)
-        if batch is not None and len(items) > 1:
-            outs = batch(items)
+        if batch is not None:
+            outs = batch(items, per_position=True)
         else:
             outs = [self.model.forward(lane, tokens, start) for lane, tokens, start in items]
         for lane, _, _ in items:

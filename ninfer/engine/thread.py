@@ -102,6 +102,11 @@ class EngineThread:
         self.engine.cancel(request_id)
         self._wake.set()
 
+    def stop_request(self, request_id: str, reason: str = "stop_string") -> None:
+        """End an active request as finished (it publishes what it computed)."""
+        self.engine.stop_request(request_id, reason)
+        self._wake.set()
+
     def call(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future:
         """Run `fn(engine)` on the engine thread at the next step boundary."""
         future: concurrent.futures.Future = concurrent.futures.Future()

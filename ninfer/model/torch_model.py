@@ -19,7 +19,7 @@ from .attention import ContiguousKV
 from .gdn import GDNState, state_dtype
 from .hybrid import HybridModel, HybridState
 
-VERIFY_STATES_UP_TO = 32   # keep per-position GDN states for forwards this short (verify)
+VERIFY_STATES_UP_TO = 32   # longest forward whose per-position GDN states are kept
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
@@ -102,13 +102,17 @@ class TorchModel:
         gdn = {i: GDNState(self.conv[i][idx], self.recurrent[i][idx]) for i in self.conv}
         return HybridState(gdn, PagedKV(self.kv_k, self.kv_v, self.block_size, tables))
 
-    def forward(self, lane: Lane, tokens: Sequence[int], start: int) -> Forward:
-        return self.forward_batch([(lane, tokens, start)])[0]
+    def forward(self, lane: Lane, tokens: Sequence[int], start: int,
+                per_position: bool = False) -> Forward:
+        return self.forward_batch([(lane, tokens, start)], per_position)[0]
 
     @torch.inference_mode()
-    def forward_batch(self, items: Sequence[tuple[Lane, Sequence[int], int]]) -> list[Forward]:
+    def forward_batch(self, items: Sequence[tuple[Lane, Sequence[int], int]],
+                      per_position: bool = True) -> list[Forward]:
         """Several lanes' forwards; lanes feeding the same number of tokens share one batched
-        call (decode and verify rounds of equal length)."""
+        call (decode and verify rounds of equal length). `per_position` keeps the recurrent
+        state after every position (a verify's rollback is then a pick); a prefill keeps only
+        the last, and takes the chunked GDN path."""
         results: list[Forward | None] = [None] * len(items)
         groups: dict[int, list[int]] = {}
         for index, (_, tokens, _) in enumerate(items):
@@ -118,14 +122,14 @@ class TorchModel:
             ids = torch.tensor([list(items[m][1]) for m in members], device=self.device)
             starts = torch.tensor([items[m][2] for m in members], device=self.device)
             positions = starts[:, None] + torch.arange(n, device=self.device)  # [B, T]
-            per_position = n <= VERIFY_STATES_UP_TO
+            keep = per_position and n <= VERIFY_STATES_UP_TO
             state = self._state([lane.slot for lane in lanes], [lane.attn_blocks for lane in lanes])
             self._launched += 1
-            out = self.net.forward(ids, positions, state, all_states=per_position)
+            out = self.net.forward(ids, positions, state, all_states=keep)
             greedy = out.logits.argmax(-1).tolist()  # [B][T]
             for row, m in enumerate(members):
                 results[m] = Forward(greedy[row], list(out.hidden[row]),
-                                     _States(out, row, n, per_position), out.logits[row])
+                                     _States(out, row, n, keep), out.logits[row])
         return results
 
     def accept(self, lane: Lane, state, hidden=None) -> None:

@@ -1,0 +1,232 @@
+"""`ninfer serve [MODEL]`: options -> model, engine, journal, engine thread -> FastAPI app on
+uvicorn. The port opens at once; `/health` answers 503 until the model is loaded and warmed."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("ninfer.server")
+
+
+def default_journal() -> Path:
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "ninfer" / "journal.db"
+
+
+def _concurrency(value: str) -> int:
+    n = int(value)
+    if not 1 <= n <= 8:
+        raise argparse.ArgumentTypeError("must be between 1 and 8")
+    return n
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return n
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """The `serve` subcommand (its func is `run_serve`)."""
+    p = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL (an HF directory or a .ninfer file; the embedded tiny default "
+                    "when omitted) at /v1/chat/completions, /v1/completions, /v1/models, "
+                    "/health and /metrics. A conversation's session key comes from the "
+                    "X-Session-Id header, else the session_id body field, else (with "
+                    "--derive-session-keys) from the instructions and first user message. "
+                    "The tenant is the API key together with the request's cache_salt.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("model", nargs="?", default=None,
+                   help="model directory or .ninfer file (default: the embedded tiny model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on")
+    p.add_argument("--model-id", default=None,
+                   help="the model name clients send (default: the model's name)")
+    p.add_argument("--max-context", type=_positive, default=8192,
+                   help="most tokens per request, prompt and output together")
+    p.add_argument("--kv-capacity", type=_positive, default=65_536,
+                   help="KV positions the block pool holds, shared by lanes and endpoints")
+    p.add_argument("--max-concurrency", type=_concurrency, default=2,
+                   help="requests prefilling or decoding at once (1-8)")
+    p.add_argument("--prefill-chunk", type=_positive, default=512,
+                   help="prompt tokens per prefill step (a cancel lands between chunks)")
+    p.add_argument("--spec", choices=["none", "mtp", "ngram"], default="none",
+                   help="speculative decoding: the model's MTP head, n-gram lookup, or none")
+    p.add_argument("--draft-tokens", type=_positive, default=3,
+                   help="most tokens drafted per speculative round")
+    p.add_argument("--max-endpoints", type=_positive, default=64,
+                   help="endpoints (continuation checkpoints) the store keeps")
+    p.add_argument("--state-slots", type=_positive, default=96,
+                   help="recurrent-state snapshot slots (lanes, captures and endpoints)")
+    p.add_argument("--derive-session-keys", action="store_true",
+                   help="derive a session key from the instructions and the first user "
+                        "message when the request names none")
+    p.add_argument("--auto-long-anchors", type=int, default=2, metavar="N",
+                   help="private anchors at up to N of the last message boundaries of every "
+                        "prompt, so a client that rewrites recent history resumes from the "
+                        "nearest one (0: none)")
+    p.add_argument("--default-max-tokens", type=_positive, default=512,
+                   help="output limit when a request sets none (capped by the context)")
+    p.add_argument("--journal", default=None,
+                   help=f"event journal (SQLite) path (default {default_journal()})")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="accept this API key (repeatable; @PATH reads a file of keys, one a "
+                        "line); each key is its own tenant. No key: the server is open")
+    p.add_argument("--max-pending", type=_positive, default=64,
+                   help="requests waiting for a lane before new ones get 429")
+    p.add_argument("--pending-timeout", type=float, default=600.0,
+                   help="seconds a request may wait for a lane before it gets 503")
+    p.add_argument("--max-body-bytes", type=_positive, default=8 * 2**20,
+                   help="largest request body (413 above it)")
+    p.add_argument("--keepalive", type=float, default=5.0,
+                   help="seconds between SSE keep-alive comments while nothing is streamed")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32",
+                   help="model dtype")
+    p.add_argument("--device", default="cpu", help="torch device")
+    p.add_argument("--torch-threads", type=_positive,
+                   default=max(1, (os.cpu_count() or 2) // 2),
+                   help="torch intra-op threads (CPU); more than the free cores makes every "
+                        "step far slower, since the HTTP side needs a core too")
+    p.add_argument("--step-delay-ms", type=float, default=0.0,
+                   help="sleep this long after every engine step: a testing aid that slows "
+                        "the model so a client can disconnect in a chosen phase")
+    p.add_argument("--log-level", default="INFO",
+                   help="logging level: DEBUG, INFO (one line per request), WARNING, ERROR")
+    p.set_defaults(func=run_serve)
+    return p
+
+
+@dataclass
+class Loaded:
+    thread: object
+    tokenizer: object
+    template: object
+    journal: object
+    model_name: str
+
+
+def load(args: argparse.Namespace) -> Loaded:
+    """Model, journal, engine (recovered) and its running thread."""
+    import torch
+
+    from ..engine.engine import Engine, EngineConfig
+    from ..engine.thread import EngineThread
+    from ..lifecycle.journal import Journal
+    from ..model.runtime import open_model
+    torch.set_num_threads(args.torch_threads)
+    om = open_model(args.model, dtype=args.dtype, device=args.device,
+                    kv_capacity=args.kv_capacity, num_slots=args.state_slots,
+                    mtp=args.spec == "mtp")
+    config = EngineConfig(max_concurrency=args.max_concurrency, prefill_chunk=args.prefill_chunk,
+                          spec=args.spec, draft_tokens=args.draft_tokens,
+                          max_endpoints=args.max_endpoints,
+                          max_context=min(args.max_context, args.kv_capacity),
+                          auto_anchors=max(args.auto_long_anchors, 0))
+    path = Path(args.journal) if args.journal else default_journal()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    journal = Journal.open(path, identity={"model": om.model.identity, "model_name": om.name,
+                                           "spec": args.spec, "dtype": args.dtype})
+    engine = Engine(om.model, config, blocks=om.blocks, slots=om.slots, journal=journal)
+    engine.recover()
+    thread = EngineThread(engine, step_delay=args.step_delay_ms / 1000).start()
+    return Loaded(thread, om.tokenizer, om.template, journal, om.name)
+
+
+def warm_up(server) -> None:
+    """One short request through the whole engine, then drop what it published."""
+    from ..engine.engine import Submit
+    from ..lifecycle.request import SamplingParams
+
+    ids = tuple(server.tokenizer.encode("warm up the engine"))
+    handle = server.thread.submit(Submit(f"warmup-{server.boot}", ids, None, "ninfer-warmup",
+                                         SamplingParams(max_tokens=2)))
+    handle.wait(600)
+
+    def drop(engine) -> None:
+        for endpoint_id, stored in list(engine.store.endpoints.items()):
+            if stored.facts.tenant == "ninfer-warmup":
+                engine.evict(endpoint_id, "warmup")
+
+    server.thread.call(drop).result(60)
+
+
+def settings_from(args: argparse.Namespace, model_name: str | None = None):
+    from .generation import Settings
+    from .sessions import load_keys
+    return Settings(model_id=args.model_id or model_name or "ninfer",
+                    max_context=min(args.max_context, args.kv_capacity),
+                    default_max_tokens=args.default_max_tokens,
+                    derive_session_keys=args.derive_session_keys,
+                    api_keys=load_keys(args.api_key), max_pending=args.max_pending,
+                    pending_timeout=args.pending_timeout, max_body_bytes=args.max_body_bytes,
+                    keepalive_s=args.keepalive, spec=args.spec)
+
+
+def build(args: argparse.Namespace):
+    """The app, with loading and warm-up started in the background by its lifespan."""
+    from ..model.runtime import DEFAULT_MODEL
+    from .app import Server, create_app
+
+    name = args.model_id or (Path(args.model).name.removesuffix(".ninfer") if args.model
+                             else DEFAULT_MODEL)
+    server = Server(settings_from(args, name))
+    app = create_app(server)
+    loaded: list[Loaded] = []
+
+    def start() -> None:
+        try:
+            result = load(args)
+            loaded.append(result)
+            server.attach(result.thread, result.tokenizer, result.template)
+            warm_up(server)
+            server.ready = True
+            log.info("ready: %s on %s:%s", server.settings.model_id, args.host, args.port)
+        except Exception:
+            log.critical("loading failed", exc_info=True)
+            server.failed = True
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        loader = threading.Thread(target=start, name="ninfer-load", daemon=True)
+        loader.start()
+        yield
+        loader.join(0)
+        for item in loaded:
+            item.thread.stop()
+            item.journal.close()
+
+    app.router.lifespan_context = lifespan
+    return app, server
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+    logging.getLogger("ninfer").setLevel(args.log_level.upper())
+    logging.getLogger("transitions").setLevel(logging.WARNING)  # one line per trigger is noise
+    app, _ = build(args)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                access_log=False, timeout_graceful_shutdown=5)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ninfer.server.serve ...` (the same options as `ninfer serve`)."""
+    parser = argparse.ArgumentParser(prog="ninfer")
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["serve", *(argv if argv is not None else sys.argv[1:])])
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

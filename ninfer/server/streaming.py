@@ -1,0 +1,285 @@
+"""The responses of a generation: SSE (role chunk, deltas, finish chunk, optional usage
+chunk, `[DONE]`, keep-alive comments while nothing else is sent) or one JSON body.
+
+Both watch the connection: a task awaits the ASGI `http.disconnect` message while the
+response is produced, and the moment it arrives the engine request is cancelled (the engine
+applies it at its next step boundary). Errors before the first byte are real HTTP statuses
+(the stream waits for the request to start before sending headers); after it, an
+OpenAI-shaped error event ends the stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from starlette.responses import Response
+
+from .errors import ApiError
+from .generation import Generation
+from .parsing import Delta
+
+log = logging.getLogger("ninfer.server")
+_DRAINING: set[asyncio.Task] = set()
+
+
+def sse(data: dict | str) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {text}\n\n".encode()
+
+
+class Shape:
+    """How deltas look on the wire for one route (chat or text completions)."""
+
+    def __init__(self, gen: Generation, model: str, chat: bool, include_usage: bool,
+                 top_n: int | None = None) -> None:
+        self.gen, self.model, self.chat, self.include_usage = gen, model, chat, include_usage
+        self.top_n = top_n   # alternatives per token; None: no log-probabilities
+        prefix = "chatcmpl" if chat else "cmpl"
+        self.id = f"{prefix}-{gen.id}"
+        self.created = int(time.time())
+        self.calls = 0
+
+    def _chunk(self, choices: list[dict], **extra) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+    def _text(self, token: int) -> tuple[str, list[int]]:
+        raw = self.gen.server.tokenizer.token_bytes(token)
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+    def logprobs(self, entries: list[dict]) -> dict | None:
+        """OpenAI's logprobs object for committed tokens (chat or text completion shape)."""
+        if self.top_n is None:
+            return None
+        if self.chat:
+            content = []
+            for e in entries:
+                text, raw = self._text(e["token"])
+                top = []
+                for token, lp in e["top"][:self.top_n]:
+                    t, b = self._text(token)
+                    top.append({"token": t, "logprob": lp, "bytes": b})
+                content.append({"token": text, "logprob": e["logprob"], "bytes": raw,
+                                "top_logprobs": top})
+            return {"content": content}
+        tokens = [self._text(e["token"])[0] for e in entries]
+        offsets, at = [], 0
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{self._text(t)[0]: lp for t, lp in e["top"][:self.top_n]}
+                                 for e in entries], "text_offset": offsets}
+
+    def _unsent_logprobs(self) -> dict | None:
+        gen = self.gen
+        entries = gen.logprobs[gen.logprobs_sent:]
+        gen.logprobs_sent = len(gen.logprobs)
+        return self.logprobs(entries)
+
+    def role_chunk(self) -> dict | None:
+        if not self.chat:
+            return None
+        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}])
+
+    def delta_chunk(self, d: Delta) -> dict:
+        if not self.chat:
+            return self._chunk([{"index": 0, "text": d.text, "logprobs": self._unsent_logprobs(),
+                                 "finish_reason": None}])
+        if d.kind == "tool_call":
+            call = d.call
+            delta = {"tool_calls": [{"index": self.calls, "id": call.id, "type": "function",
+                                     "function": {"name": call.name,
+                                                  "arguments": call.arguments}}]}
+            self.calls += 1
+        elif d.kind == "reasoning":
+            delta = {"reasoning_content": d.text}
+        else:
+            delta = {"content": d.text}
+        return self._chunk([{"index": 0, "delta": delta, "logprobs": self._unsent_logprobs(),
+                             "finish_reason": None}])
+
+    def finish_chunk(self) -> dict:
+        reason = self.gen.finish_reason
+        if not self.chat:
+            return self._chunk([{"index": 0, "text": "", "logprobs": self._unsent_logprobs(),
+                                 "finish_reason": reason}])
+        return self._chunk([{"index": 0, "delta": {}, "logprobs": self._unsent_logprobs(),
+                             "finish_reason": reason}])
+
+    def usage_chunk(self) -> dict:
+        return self._chunk([], usage=self.gen.usage(), timings=self.gen.timings())
+
+    def body(self, deltas: list[Delta]) -> dict:
+        gen = self.gen
+        if not self.chat:
+            text = "".join(d.text for d in deltas)
+            choice = {"index": 0, "text": text, "logprobs": self.logprobs(gen.logprobs),
+                      "finish_reason": gen.finish_reason}
+            return {"id": self.id, "object": "text_completion", "created": self.created,
+                    "model": self.model, "choices": [choice], "usage": gen.usage(),
+                    "timings": gen.timings()}
+        content = "".join(d.text for d in deltas if d.kind == "content")
+        reasoning = "".join(d.text for d in deltas if d.kind == "reasoning")
+        calls = [{"id": d.call.id, "type": "function",
+                  "function": {"name": d.call.name, "arguments": d.call.arguments}}
+                 for d in deltas if d.kind == "tool_call"]
+        message: dict = {"role": "assistant", "content": content or (None if calls else "")}
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = calls
+        choice = {"index": 0, "message": message, "logprobs": self.logprobs(gen.logprobs),
+                  "finish_reason": gen.finish_reason}
+        return {"id": self.id, "object": "chat.completion", "created": self.created,
+                "model": self.model, "choices": [choice], "usage": gen.usage(),
+                "timings": gen.timings(), "system_fingerprint": None}
+
+
+class GenerationResponse(Response):
+    """An ASGI response that runs a submitted generation to its end."""
+
+    def __init__(self, gen: Generation, shape: Shape, *, stream: bool) -> None:
+        super().__init__()
+        self.gen, self.shape, self.stream = gen, shape, stream
+        self.status_sent: int | None = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        gen = self.gen
+        gone = asyncio.Event()
+
+        async def watch() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    gen.cancel("disconnect")
+                    gone.set()
+                    return
+
+        watcher = asyncio.create_task(watch())
+        try:
+            if self.stream:
+                await self._stream(send, gone)
+            else:
+                await self._whole(send, gone)
+        except OSError:  # the transport failed under a send: the client is gone
+            gen.cancel("disconnect")
+        except Exception:
+            log.exception("req#%s: response failed", gen.id)
+            gen.cancel("disconnect")
+            if self.status_sent is None:
+                await self._send_error(send, ApiError(500, "internal error",
+                                                      code="internal_error"))
+        finally:
+            watcher.cancel()
+            if gen.terminal is None:  # finish the bookkeeping off the response's path
+                task = asyncio.get_running_loop().create_task(self._drain())
+                _DRAINING.add(task)  # the loop keeps only weak references to tasks
+                task.add_done_callback(_DRAINING.discard)
+            else:
+                gen.report(self.status_sent if gen.cancel_reason != "disconnect" else 499)
+
+    async def _drain(self) -> None:
+        await self.gen.run_to_end()
+        self.gen.report(499 if self.gen.cancel_reason == "disconnect" else self.status_sent)
+
+    async def _start(self, send, status: int, content_type: str,
+                     extra: list[tuple[bytes, bytes]] = ()) -> None:
+        headers = [(b"content-type", content_type.encode()),
+                   (b"x-request-id", self.gen.id.encode()), *extra]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        self.status_sent = status
+
+    async def _send_error(self, send, error: ApiError) -> None:
+        body = json.dumps(error.body()).encode()
+        extra = [(b"content-length", str(len(body)).encode())]
+        if error.retry_after is not None:
+            extra.append((b"retry-after", str(max(1, round(error.retry_after))).encode()))
+        await self._start(send, error.status, "application/json", extra)
+        await send({"type": "http.response.body", "body": body})
+
+    async def _until_started(self, send, gone: asyncio.Event) -> list[Delta] | None:
+        """Wait for the start (or the end); an error response if it never came."""
+        wait = asyncio.create_task(self.gen.wait_started())
+        lost = asyncio.create_task(gone.wait())
+        try:
+            done, _ = await asyncio.wait({wait, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+        if wait not in done:  # the client left while queued; the cancel is on its way
+            wait.cancel()
+            return None
+        try:
+            deltas = wait.result()
+        except ApiError as error:
+            await self._send_error(send, error)
+            return None
+        if self.gen.terminal is not None and not self.gen.succeeded:
+            if self.gen.cancel_reason != "disconnect":
+                await self._send_error(send, self.gen.failure())
+            return None
+        return deltas
+
+    async def _whole(self, send, gone: asyncio.Event) -> None:
+        gen = self.gen
+        deltas = await self._until_started(send, gone)
+        if deltas is None:
+            return
+        while gen.terminal is None and not gone.is_set():
+            event = await gen.next_event(0.25)
+            if event is not None:
+                deltas += gen.absorb(event)
+        if gone.is_set():
+            return
+        if not gen.succeeded:
+            await self._send_error(send, gen.failure())
+            return
+        body = json.dumps(self.shape.body(deltas), ensure_ascii=False).encode()
+        await self._start(send, 200, "application/json",
+                          [(b"content-length", str(len(body)).encode())])
+        await send({"type": "http.response.body", "body": body})
+
+    async def _stream(self, send, gone: asyncio.Event) -> None:
+        gen, shape = self.gen, self.shape
+        deltas = await self._until_started(send, gone)
+        if deltas is None:
+            return
+        await self._start(send, 200, "text/event-stream",
+                          [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")])
+        self._last_sent = time.monotonic()
+
+        async def emit(data: bytes) -> None:
+            if gone.is_set():
+                return
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        role = shape.role_chunk()
+        if role is not None:
+            await emit(sse(role))
+        for d in deltas:
+            await emit(sse(shape.delta_chunk(d)))
+        keepalive = self.gen.server.settings.keepalive_s
+        while gen.terminal is None and not gone.is_set():
+            event = await gen.next_event(min(keepalive, 0.25))
+            if event is None:
+                if time.monotonic() - self._last_sent >= keepalive:
+                    await emit(b": keep-alive\n\n")
+                    self._last_sent = time.monotonic()
+                continue
+            for d in gen.absorb(event):
+                await emit(sse(shape.delta_chunk(d)))
+                self._last_sent = time.monotonic()
+        if gone.is_set():
+            return
+        if gen.succeeded:
+            await emit(sse(shape.finish_chunk()))
+            if shape.include_usage:
+                await emit(sse(shape.usage_chunk()))
+        else:
+            await emit(sse(gen.failure().body()))
+        await emit(sse("[DONE]"))
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

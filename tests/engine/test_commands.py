@@ -1,0 +1,39 @@
+"""Commands other threads send: a stop ends an active request as finished (it publishes
+its state for the next turn), unlike a cancel; neither touches a request that has ended."""
+
+from ninfer.engine.engine import EngineConfig
+from ninfer.testing.harness import Harness
+
+PROMPT = tuple(range(1, 30))
+
+
+def test_a_stop_finishes_and_publishes():
+    h = Harness(EngineConfig(spec="mtp", prefill_chunk=8))
+    rid = h.submit(PROMPT, "s", max_tokens=40)
+    h.step()
+    while h.request(rid).state != "Active" or len(h.request(rid).outputs) < 3:
+        h.step()
+    h.engine.stop_request(rid)
+    h.run()
+    h.check()
+    kinds = [e.kind for e in h.journal.read() if e.request == rid]
+    assert kinds[-1] == "RequestFinished" and "RequestCancelled" not in kinds
+    stopped = [e for e in h.journal.read() if e.kind == "StopReached" and e.request == rid]
+    assert stopped[0].reason == "stop_string"
+    r = h.request(rid)
+    assert len(r.outputs) < 40
+    published = [e for e in h.journal.read() if e.kind == "EndpointPublished"]
+    assert published[-1].endpoint.position == len(PROMPT) + len(r.outputs) - 1
+
+
+def test_commands_for_ended_requests_change_nothing():
+    h = Harness(EngineConfig())
+    rid = h.submit(PROMPT, "s", max_tokens=3)
+    h.run()
+    before = h.journal.count()
+    h.engine.stop_request(rid)
+    h.engine.cancel(rid)
+    h.engine.cancel("never-submitted")
+    h.step()
+    h.check()
+    assert h.journal.count() == before

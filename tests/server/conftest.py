@@ -1,0 +1,121 @@
+"""A real ninfer server (uvicorn on loopback, a free port) for the session, built by the same
+`build(args)` as `ninfer serve`: model loading and warm-up in the background, /health 503
+until ready. Tests change options through `configured(...)` and read the journal through
+their own read-only SQLite connection."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import socket
+import sqlite3
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from ninfer.server.serve import add_serve_parser, build
+
+OPTIONS = ["--spec", "mtp", "--max-concurrency", "2", "--prefill-chunk", "48",
+           "--torch-threads", "1",
+           "--max-context", "2048", "--kv-capacity", "8192", "--max-endpoints", "24",
+           "--default-max-tokens", "8", "--auto-long-anchors", "2", "--keepalive", "0.5",
+           "--log-level", "INFO"]
+
+
+@dataclasses.dataclass
+class Running:
+    url: str
+    server: object        # ninfer.server.app.Server
+    journal_path: str
+    health_before_ready: int
+
+    @property
+    def engine(self):
+        return self.server.thread.engine
+
+    def events(self, request_id: str) -> list[tuple[str, dict, float]]:
+        """(kind, data, time) of one request's journaled events, in order."""
+        with contextlib.closing(sqlite3.connect(f"file:{self.journal_path}?mode=ro",
+                                                uri=True)) as db:
+            rows = db.execute("SELECT kind, data, time FROM events WHERE request = ? "
+                              "ORDER BY seq", (request_id,)).fetchall()
+        return [(k, json.loads(d), t) for k, d, t in rows]
+
+    def wait_terminal(self, request_id: str, timeout: float = 10.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for kind, data, t in self.events(request_id):
+                if kind in ("RequestFinished", "RequestCancelled", "RequestFailed"):
+                    return kind, data, t
+            time.sleep(0.01)
+        raise AssertionError(f"{request_id} did not end within {timeout} s")
+
+    def started(self, request_id: str) -> dict:
+        return [d for k, d, _ in self.events(request_id) if k == "RequestStarted"][-1]
+
+    @contextlib.contextmanager
+    def configured(self, *, step_delay: float | None = None, **settings):
+        """Change settings (and the engine's step delay) for the block's duration."""
+        old_settings, old_delay = self.server.settings, self.server.thread.step_delay
+        self.server.settings = dataclasses.replace(old_settings, **settings)
+        if step_delay is not None:
+            self.server.thread.step_delay = step_delay
+        try:
+            yield self
+        finally:
+            self.server.settings, self.server.thread.step_delay = old_settings, old_delay
+
+    def integrity(self) -> None:
+        self.server.thread.call(lambda e: e.check_integrity()).result(10)
+
+
+def _parse(options: list[str]):
+    import argparse
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *options])
+
+
+@pytest.fixture(scope="session")
+def live(tmp_path_factory) -> Running:
+    import torch
+    threads = torch.get_num_threads()  # the server sets it for the process; restored after
+    journal = str(tmp_path_factory.mktemp("serve") / "journal.db")
+    args = _parse([*OPTIONS, "--journal", journal])
+    app, server = build(args)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=2)
+    userver = uvicorn.Server(config)
+    thread = threading.Thread(target=userver.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    first = None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            status = httpx.get(f"{url}/health", timeout=2).status_code
+        except httpx.TransportError:
+            time.sleep(0.02)
+            continue
+        if first is None:
+            first = status
+            if status == 503:
+                assert int(httpx.get(f"{url}/health").headers["retry-after"]) >= 1
+        if status == 200:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the server did not become ready")
+    yield Running(url, server, journal, first)
+    userver.should_exit = True
+    thread.join(10)
+    sock.close()
+    torch.set_num_threads(threads)
