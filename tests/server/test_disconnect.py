@@ -235,3 +235,21 @@ def test_log_lines(live, caplog):
                for m in cut)
     done = next(m for m in caplog.messages if m.startswith(f"req#{rid} done"))
     assert "| openai-chat | length | prompt 13 | output 2 | cache 8 (61.5%, private anchor)" in done
+
+
+def test_a_slow_reader_does_not_hold_the_engine(live):
+    """A streaming client that stops reading after the headers: its request still runs to
+    its end at engine speed (the engine never waits on a reader), and another client's
+    request is answered meanwhile."""
+    body = {"model": "tiny-qwen3-next-v1", "stream": True, "max_tokens": 48,
+            "messages": [{"role": "user", "content": "Tell me a long story."}]}
+    slow = RawClient(live.url, body, {"X-Session-Id": "slow-reader"})
+    slow.read_until(b"\r\n\r\n")
+    rid = slow.request_id
+    other = httpx.post(f"{live.url}{CHAT}", timeout=30, json={
+        "model": "tiny-qwen3-next-v1", "max_tokens": 4,
+        "messages": [{"role": "user", "content": "Hi"}]})
+    assert other.status_code == 200
+    kind, data, _ = live.wait_terminal(rid, timeout=30)  # no byte of the body read yet
+    assert kind == "RequestFinished" and data["completion_tokens"] >= 1
+    slow.cut()
