@@ -173,6 +173,9 @@ def main(model: str | None = None, device: str = "cpu", dtype: str = "float32",
     steps = [("prefill", lambda: b.prefill(1024 if quick else 4096))]
     for batch in (1, 4, 8):
         steps.append((f"decode_b{batch}", lambda batch=batch: b.decode(batch)))
+    long_context = 1024 if quick else 4096
+    steps.append(("decode_b1_long", lambda: {**b.decode(1, context=long_context),
+                                             "context": long_context}))
     for spec in ("mtp", "ngram"):
         for drafts in (None, "accept", "reject"):
             name = f"{spec}_{drafts or 'model'}"
@@ -196,6 +199,8 @@ def _report(r: dict) -> None:
              f"{r['prefill']['prefill_tok_s']:,.0f} tok/s")]
     rows += [(f"decode, batch {b}", f"{r[f'decode_b{b}']['tok_s']:,.0f} tok/s")
              for b in (1, 4, 8)]
+    rows.append((f"decode, batch 1, {r['decode_b1_long']['context']:,}-token context",
+                 f"{r['decode_b1_long']['tok_s']:,.0f} tok/s"))
     for key in [k for k in r if k.startswith(("mtp_", "ngram_"))]:
         x = r[key]
         rows.append((f"{key.replace('_', ' drafts ', 1)}",
