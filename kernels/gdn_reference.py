@@ -47,6 +47,17 @@ def _initial(state: Tensor | None, shape: tuple[int, ...], like: Tensor) -> Tens
     return state.to(like.dtype)
 
 
+
+def _prepare(q, k, v, g, beta, initial_state, scale):
+    """Heads first in the compute dtype, the initial state, an output buffer, the scale."""
+    dtype, out_dtype = _compute_dtype(q, k, v, g, beta), v.dtype
+    B, T, _, Dk = k.shape
+    Hv, Dv = v.shape[2:]
+    scale = Dk ** -0.5 if scale is None else scale
+    q, k, v, g, beta = _heads_first(q, k, v, g, beta, dtype)  # q: [B, Hv, T, Dk]
+    S = _initial(initial_state, (B, Hv, Dk, Dv), v)  # S: [B, Hv, Dk, Dv]
+    return q, k, v, g, beta, S, v.new_empty(B, Hv, T, Dv), scale, out_dtype
+
 def recurrent_gated_delta_rule(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     initial_state: Tensor | None = None, scale: float | None = None, all_states: bool = False,
@@ -57,13 +68,8 @@ def recurrent_gated_delta_rule(
     Returns (o [B, T, Hv, Dv], state): the final state [B, Hv, Dk, Dv], or with
     `all_states` the state after every position, [B, T, Hv, Dk, Dv] (so a rollback to
     position t is `states[:, t]`)."""
-    dtype, out_dtype = _compute_dtype(q, k, v, g, beta), v.dtype
-    B, T, _, Dk = k.shape
-    Hv, Dv = v.shape[2:]
-    scale = Dk ** -0.5 if scale is None else scale
-    q, k, v, g, beta = _heads_first(q, k, v, g, beta, dtype)  # q: [B, Hv, T, Dk]
-    S = _initial(initial_state, (B, Hv, Dk, Dv), v)  # S: [B, Hv, Dk, Dv]
-    out = v.new_empty(B, Hv, T, Dv)
+    q, k, v, g, beta, S, out, scale, out_dtype = _prepare(q, k, v, g, beta, initial_state, scale)
+    T = q.shape[2]
     states = [] if all_states else None
     for t in range(T):
         S = S * g[:, :, t].exp()[..., None, None]
@@ -96,13 +102,8 @@ def chunk_gated_delta_rule(
     Every exponent is <= 0, so nothing overflows however strong the decay."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    dtype, out_dtype = _compute_dtype(q, k, v, g, beta), v.dtype
-    B, T, _, Dk = k.shape
-    Hv, Dv = v.shape[2:]
-    scale = Dk ** -0.5 if scale is None else scale
-    q, k, v, g, beta = _heads_first(q, k, v, g, beta, dtype)  # q: [B, Hv, T, Dk]
-    S = _initial(initial_state, (B, Hv, Dk, Dv), v)  # S: [B, Hv, Dk, Dv]
-    out = v.new_empty(B, Hv, T, Dv)
+    q, k, v, g, beta, S, out, scale, out_dtype = _prepare(q, k, v, g, beta, initial_state, scale)
+    T = q.shape[2]
     for start in range(0, T, chunk_size):
         end = min(start + chunk_size, T)
         C = end - start
@@ -114,7 +115,7 @@ def chunk_gated_delta_rule(
         # difference is positive and could overflow)
         D = (G[..., :, None] - G[..., None, :]).masked_fill(~lower, float("-inf")).exp()
         strict = D.tril(-1)  # [B, Hv, C, C], without the diagonal
-        eye = torch.eye(C, dtype=dtype, device=v.device)
+        eye = torch.eye(C, dtype=v.dtype, device=v.device)
         system = eye + b_c * (k_c @ k_c.transpose(-1, -2)) * strict  # unit lower triangular
         decayed_k = k_c * G.exp()[..., None]  # exp(G_i) k_i: [B, Hv, C, Dk]
         rhs = b_c * (v_c - decayed_k @ S)  # [B, Hv, C, Dv]

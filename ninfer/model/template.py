@@ -23,6 +23,8 @@ import jinja2
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from .tokenizer import read_tokenizer_config
+
 # The names reasoning arrives under; the first is the one templates read.
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 
@@ -133,13 +135,12 @@ class ChatTemplate:
     def from_dir(cls, path: str | Path) -> ChatTemplate:
         """chat_template.jinja if present, else tokenizer_config.json's `chat_template`."""
         path = Path(path)
-        config_file = path / "tokenizer_config.json"
-        config = json.loads(config_file.read_text("utf-8")) if config_file.exists() else {}
+        config = read_tokenizer_config(path)
         jinja_file = path / "chat_template.jinja"
         if jinja_file.exists():
             return cls.from_tokenizer_config(config, jinja_text=jinja_file.read_text("utf-8"),
                                              source=str(jinja_file))
-        return cls.from_tokenizer_config(config, source=str(config_file))
+        return cls.from_tokenizer_config(config, source=str(path / "tokenizer_config.json"))
 
     def _pick(self, name: str | None, tools: Any) -> jinja2.Template:
         if name is not None:

@@ -101,10 +101,8 @@ class Tokenizer:
     def from_dir(cls, path: str | Path) -> Tokenizer:
         """tokenizer.json and (if present) tokenizer_config.json of an HF model directory."""
         path = Path(path)
-        config_file = path / "tokenizer_config.json"
-        config = json.loads(config_file.read_text("utf-8")) if config_file.exists() else {}
         tok_file = path / "tokenizer.json"
-        return cls(tok_file.read_text("utf-8"), config, source=str(tok_file))
+        return cls(tok_file.read_text("utf-8"), read_tokenizer_config(path), source=str(tok_file))
 
     def _read_special(self) -> SpecialTokens:
         ids: dict[str, int | None] = {k: self.token_to_id(v) for k, v in _NAMED.items()}
@@ -188,3 +186,9 @@ class DetokenizeStream:
 
     def finish(self) -> str:
         return self._utf8.decode(b"", final=True)
+
+
+def read_tokenizer_config(path: str | Path) -> dict:
+    """An HF directory's tokenizer_config.json ({} when absent)."""
+    config_file = Path(path) / "tokenizer_config.json"
+    return json.loads(config_file.read_text("utf-8")) if config_file.exists() else {}
