@@ -44,6 +44,7 @@ class EngineConfig:
     auto_anchors: int = 2            # anchors at up to N of the last message boundaries
     journal_tokens: bool = True      # journal token ids, not only block hashes
     check_reuse: bool = False        # compare every restore with a recomputation (tests)
+    keep_finished: bool = True       # keep ended requests in `requests` (tests inspect them)
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,9 @@ class Engine:
             if self.live.get(live.request.id) is live:
                 self._guarded(live, lambda x: self._leave(x, "finish"))
         self._reconcile()
+        if not self.config.keep_finished:  # a long-running server forgets ended requests
+            self.requests = {k: r for k, r in self.requests.items()
+                             if r.state not in machine.TERMINAL}
         return self.log.flush()
 
     def idle(self) -> bool:

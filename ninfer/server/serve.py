@@ -130,7 +130,7 @@ def load(args: argparse.Namespace) -> Loaded:
                           spec=args.spec, draft_tokens=args.draft_tokens,
                           max_endpoints=args.max_endpoints,
                           max_context=min(args.max_context, args.kv_capacity),
-                          auto_anchors=max(args.auto_long_anchors, 0))
+                          auto_anchors=max(args.auto_long_anchors, 0), keep_finished=False)
     path = Path(args.journal) if args.journal else default_journal()
     path.parent.mkdir(parents=True, exist_ok=True)
     journal = Journal.open(path, identity={"model": om.model.identity, "model_name": om.name,

@@ -37,3 +37,16 @@ def test_commands_for_ended_requests_change_nothing():
     h.step()
     h.check()
     assert h.journal.count() == before
+
+
+def test_a_server_engine_forgets_ended_requests():
+    h = Harness(EngineConfig(keep_finished=False))
+    done = h.submit(PROMPT, "s", max_tokens=2)
+    running = h.submit(PROMPT[::-1], "t", max_tokens=50)
+    for _ in range(30):
+        h.step()
+    assert done not in h.engine.requests and running in h.engine.requests
+    h.engine.cancel(done)  # a late command for a forgotten request is harmless
+    h.run()
+    h.check()
+    assert not h.engine.requests
