@@ -33,7 +33,8 @@ class Bench:
         self.vocab = min(self.om.files.config.vocab_size, self.om.tokenizer.vocab_size)
         self.rng = random.Random(0)
         self.ids = 0
-        self.decode(1, tokens=8)  # warm-up: first calls allocate and initialise
+        for spec in ("none", "mtp"):  # warm-up: first calls allocate and initialise
+            self.decode(1, tokens=8, spec=spec)
 
     def engine(self, **kw) -> Engine:
         om = self.om

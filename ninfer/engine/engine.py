@@ -32,6 +32,8 @@ from .speculative import AdaptiveDraft, truncate
 
 log = logging.getLogger("ninfer.engine")
 
+MTP_BATCH = 16  # most committed positions the MTP layer may lag while drafting pauses
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -459,7 +461,10 @@ class Engine:
         count, reason = truncate(rnd.new_tokens, room, request.params.stop_tokens)
         committed = tuple(rnd.new_tokens[:count])
         request.outputs.extend(committed)
-        self.runner.commit(lane, rnd, count, frontier, request.sequence)
+        # while drafting pauses, the MTP layer catches up in batches, not every token
+        lag = frontier + count - 1 - lane.mtp_valid
+        eager = not live.drafting.paused or lag >= MTP_BATCH
+        self.runner.commit(lane, rnd, count, frontier, request.sequence, catch_up=eager)
         request.cursor = frontier + count
         request.emit(ev.TokensCommitted, tokens=committed, frontier=request.cursor,
                      drafted=rnd.drafted, accepted=min(rnd.accepted, count),

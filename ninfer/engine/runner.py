@@ -252,9 +252,12 @@ class Runner:
         accepted, token = choice.accept(drafts, out.greedy, out.logits, probs)
         return Round(drafts[:accepted] + [token], len(drafts), accepted, out)
 
-    def commit(self, lane: Lane, rnd: Round, count: int, frontier: int, seq: Sequence[int]) -> None:
+    def commit(self, lane: Lane, rnd: Round, count: int, frontier: int, seq: Sequence[int],
+               catch_up: bool = True) -> None:
         """Keep `count` positions of the round: roll every part back to the last accepted
-        token (recurrent state picked, MTP entries past the frontier invalidated)."""
+        token (recurrent state picked, MTP entries past the frontier invalidated). With
+        `catch_up` the MTP layer writes the committed positions' entries now; otherwise they
+        wait, with their hidden states, for the next draft or the end of the turn."""
         out = rnd.forward
         hidden = out.hidden[count - 1] if self.mtp else None
         self.model.accept(lane, out.states[count - 1], hidden)
@@ -262,7 +265,8 @@ class Runner:
             lane.mtp_valid = min(lane.mtp_valid, frontier)
             for i in range(count):
                 lane.hidden[frontier + i] = out.hidden[i]
-            self.mtp_catch_up(lane, seq, frontier + count - 1)
+            if catch_up:
+                self.mtp_catch_up(lane, seq, frontier + count - 1)
 
     def discard_round(self, lane: Lane, frontier: int) -> None:
         """A round cut between draft and verify: wait for the drafts in flight, then drop
