@@ -23,7 +23,7 @@ from ..lifecycle.eventlog import EventLog
 from ..lifecycle.facts import EndpointFacts, Mode
 from ..lifecycle.request import Request, SamplingParams
 from ..lifecycle.salvage import Candidate
-from ..lifecycle.store import ContinuationStore
+from ..lifecycle.store import FOLD_KINDS, ContinuationStore
 from .choice import Choice, make_choice
 from .model import Lane, MissingStatePart, Model
 from .pools import BlockPool, OutOfMemory, SlotPool
@@ -116,7 +116,8 @@ class Engine:
         self.model.synchronize()  # a (re)starting server has no work in flight
         open_requests: dict[str, str | None] = {}
         if self.journal is not None:
-            for event in self.journal.read():
+            kinds = (*FOLD_KINDS, "RequestQueued", *ev.TERMINAL_KINDS)
+            for event in self.journal.read(kinds=kinds):  # what recovery needs, nothing more
                 self.store.apply(event)
                 if isinstance(event, ev.RequestQueued):
                     open_requests[event.request] = event.conversation
