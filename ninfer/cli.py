@@ -8,6 +8,7 @@ import sys
 
 from .bench.serve import add_bench_parser as add_bench_serve_parser
 from .server.serve import add_serve_parser
+from .tools.journal import add_journal_parser
 
 
 def _fuzz(args: argparse.Namespace) -> int:
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="logging level: DEBUG, INFO, WARNING (default), ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
+    add_journal_parser(sub)
 
     tiny = sub.add_parser(
         "make-tiny", help="write a small random model (Hugging Face layout) with a trained BPE "

@@ -1,0 +1,1 @@
+"""Offline tools: `ninfer journal` (read a journal)."""

@@ -1,0 +1,367 @@
+"""`ninfer journal replay | check | show | stats | export`: read a journal, never write it.
+
+The file is opened read-only (SQLite `mode=ro`); rows are decoded with `events.from_row`.
+Exit status: 0 fine, 1 an invariant violation (check, replay) or nothing to show, 2 a journal
+that cannot be read (JournalError: not SQLite, foreign schema, undecodable event)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sqlite3
+import sys
+from collections import Counter
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..lifecycle import events as ev
+from ..lifecycle.checks import JournalChecker
+from ..lifecycle.journal import SCHEMA_VERSION, JournalError
+from ..lifecycle.store import ContinuationStore, InvariantViolation
+
+PROGRESS_MIN = 100_000   # show a progress bar above this many events
+LEAD_UP = 8              # events of the request printed before a violation
+_COLS = "seq, time, request, conversation, kind, data"
+
+
+class Source:
+    """A journal opened read-only; `read` makes it usable by `ContinuationStore.from_journal`."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        if not Path(path).is_file():
+            raise JournalError(f"journal {path}: no such file")
+        try:
+            # no WAL beside it: nothing is writing, so read it as immutable and leave no
+            # -wal / -shm files behind; with one, read-only through SQLite's WAL protocol
+            idle = not Path(f"{path}-wal").exists()
+            uri = Path(path).resolve().as_uri() + ("?mode=ro&immutable=1" if idle else "?mode=ro")
+            self.conn = sqlite3.connect(uri, uri=True)
+            tables = {r[0] for r in self.conn.execute(
+                "SELECT name FROM sqlite_master WHERE type='table'")}
+            meta = dict(self.conn.execute("SELECT key, value FROM meta")) \
+                if "meta" in tables else {}
+            self.count = self.conn.execute("SELECT COUNT(*) FROM events").fetchone()[0] \
+                if "events" in tables else 0
+        except sqlite3.Error as e:
+            raise JournalError(f"journal {path}: {e}") from e
+        if "events" not in tables or meta.get("application") != '"ninfer"':
+            raise JournalError(f"journal {path}: foreign schema (tables {sorted(tables)})")
+        if int(json.loads(meta.get("schema_version", "0"))) > SCHEMA_VERSION:
+            raise JournalError(f"journal {path}: written by a newer ninfer")
+
+    def rows(self, where: str = "", params: tuple = (), order: str = "ORDER BY seq",
+             progress: bool = False):
+        total = self.count if progress else 0
+        bar = tqdm(total=total, disable=total <= PROGRESS_MIN, file=sys.stderr, unit="ev",
+                   leave=False)
+        try:
+            cur = self.conn.execute(f"SELECT {_COLS} FROM events {where} {order}", params)
+            while batch := cur.fetchmany(4096):
+                yield from batch
+                bar.update(len(batch))
+        except sqlite3.Error as e:
+            raise JournalError(f"journal {self.path}: reading events: {e}") from e
+        finally:
+            bar.close()
+
+    def events(self, where: str = "", params: tuple = (), progress: bool = False, **kw):
+        for row in self.rows(where, params, progress=progress, **kw):
+            try:
+                yield ev.from_row(*row)
+            except Exception as e:  # an unknown kind or a bad payload is the journal's fault
+                raise JournalError(f"journal {self.path}: undecodable {row[4]!r} event at seq "
+                                   f"{row[0]}: {e}") from e
+
+    def read(self, start_seq: int = 1, kinds=None):
+        where, params = "WHERE seq >= ?", (start_seq,)
+        if kinds is not None:
+            where += f" AND kind IN ({','.join('?' * len(kinds))})"
+            params += tuple(kinds)
+        return self.events(where, params)
+
+
+def export_dict(row: tuple) -> dict:
+    seq, time, request, conversation, kind, data = row
+    return {"seq": seq, "time": time, "request": request, "conversation": conversation,
+            "kind": kind, "data": json.loads(data)}
+
+
+def replay_summary(src: Source) -> dict:
+    outcomes, plans, published, refused, evicted, lost = (Counter() for _ in range(6))
+    queued = 0
+    for e in src.events(progress=True):
+        k = e.kind
+        if k == "RequestQueued":
+            queued += 1
+        elif k == "RequestFinished":
+            outcomes["finished"] += 1
+        elif k == "RequestCancelled":
+            outcomes[f"cancelled({e.at_state})"] += 1
+        elif k == "RequestFailed":
+            outcomes[f"failed({e.failure})"] += 1
+        elif k == "RequestStarted":
+            plans[e.plan] += 1
+        elif k == "EndpointPublished":
+            published[e.endpoint.kind] += 1
+        elif k == "PublicationRefused":
+            refused[e.reason] += 1
+        elif k in ("EndpointEvicted", "EndpointLost"):
+            (evicted if k == "EndpointEvicted" else lost)[e.reason] += 1
+    outcomes["open"] = queued - sum(outcomes.values())
+    store = ContinuationStore.from_journal(src)
+    held = Counter(s.facts.kind for s in store.endpoints.values())
+    return {"events": src.count, "requests": queued, "outcomes": dict(outcomes),
+            "plans": dict(plans), "published": dict(published), "refused": dict(refused),
+            "evicted": dict(evicted), "lost": dict(lost),
+            "store": {"endpoints": len(store.endpoints), "by_kind": dict(held),
+                      "max_endpoints": store.max_endpoints, "applied_seq": store.applied_seq}}
+
+
+def check(src: Source) -> tuple[JournalChecker, InvariantViolation | None]:
+    checker = JournalChecker()
+    try:
+        for e in src.events(progress=True):
+            checker.feed(e)
+    except InvariantViolation as v:
+        return checker, v
+    return checker, None
+
+
+def lead_up(src: Source, v: InvariantViolation, n: int = LEAD_UP) -> list[dict]:
+    where, params = ("WHERE request = ? AND seq <= ?", (v.request, v.seq)) if v.request \
+        else ("WHERE seq <= ? AND seq > ?", (v.seq, v.seq - n))
+    rows = list(src.rows(where, params, order=f"ORDER BY seq DESC LIMIT {int(n)}"))
+    return [export_dict(r) | {"detail": describe(ev.from_row(*r))} for r in reversed(rows)]
+
+
+def describe(e: ev.Event) -> str:
+    """The fields of `e` that matter to a person reading a timeline."""
+    k = e.kind
+    if k == "RequestQueued":
+        return f"tenant={e.tenant} prompt_len={e.prompt_len} max_tokens=" \
+               f"{e.params.get('max_tokens')} boundaries={list(e.boundaries)}"
+    if k == "RequestStarted":
+        return f"plan={e.plan} reuse_base={e.reuse_base} endpoint={e.endpoint} target={e.target}"
+    if k in ("PrefillAdvanced", "PrefillCompleted"):
+        first = f" first_token={e.first_token}" if k == "PrefillCompleted" else ""
+        return f"cursor={e.cursor}{first}"
+    if k == "TokensCommitted":
+        return f"tokens={len(e.tokens)} frontier={e.frontier} drafted={e.drafted} " \
+               f"accepted={e.accepted}"
+    if k == "CheckpointCaptured":
+        return f"checkpoint={e.checkpoint.id} @{e.checkpoint.position}"
+    if k == "EndpointPublished":
+        return f"PUBLISH {e.endpoint.kind} {e.endpoint.id} @{e.endpoint.position}"
+    if k == "PublicationRefused":
+        return f"REFUSE {e.checkpoint} @{e.position}: {e.reason}"
+    if k == "PlanFallback":
+        return f"candidate={e.candidate} @{e.position}: {e.reason}"
+    skip = set(ev.Event.ENVELOPE) | {"options"}
+    return " ".join(f"{f.name}={getattr(e, f.name)}" for f in dataclasses.fields(e)
+                    if f.name not in skip)
+
+
+def timeline(src: Source, request: str | None, conversation: str | None) -> list[dict]:
+    where, params = ("WHERE request = ?", (request,)) if request is not None \
+        else ("WHERE conversation = ?", (conversation,))
+    out, t0 = [], None
+    for e in src.events(where, params, progress=True):
+        t0 = e.time if t0 is None else t0
+        out.append({"seq": e.seq, "offset": e.time - t0, "request": e.request, "kind": e.kind,
+                    "detail": describe(e), "terminal": e.kind in ev.TERMINAL_KINDS})
+    return out
+
+
+def _quantile(xs: list[float], q: float) -> float | None:
+    """Nearest-rank quantile of `xs` (None when empty)."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[max(0, math.ceil(q * len(xs) - 1e-9) - 1)]
+
+
+def stats(src: Source) -> dict:
+    first = last = None
+    queued_at, prompt, outputs, ttft, ratios = {}, {}, Counter(), {}, []
+    drafted = accepted = committed = requests = 0
+    cancels = Counter()
+    for e in src.events(progress=True):
+        first = e.time if first is None else first
+        last, k = e.time, e.kind
+        if k == "RequestQueued":
+            requests += 1
+            queued_at[e.request], prompt[e.request] = e.time, e.prompt_len
+        elif k == "RequestStarted":
+            ratios.append(e.reuse_base / (prompt[e.request] + outputs[e.request]))
+        elif k == "TokensCommitted":
+            drafted, accepted = drafted + e.drafted, accepted + e.accepted
+            committed += len(e.tokens)
+            outputs[e.request] += len(e.tokens)
+            ttft.setdefault(e.request, e.time - queued_at[e.request])
+        elif k == "RequestCancelled":
+            cancels[e.at_state] += 1
+    span = (last - first) if first is not None else 0.0
+    lat = list(ttft.values())
+    return {"events": src.count, "requests": requests, "span_s": span,
+            "requests_per_s": requests / span if span > 0 else None,
+            "tokens_committed": committed,
+            "tokens_per_s": committed / span if span > 0 else None,
+            "mean_reuse_ratio": sum(ratios) / len(ratios) if ratios else None,
+            "drafted": drafted, "accepted": accepted,
+            "acceptance": accepted / drafted if drafted else None,
+            "ttft_median_s": _quantile(lat, 0.5), "ttft_p90_s": _quantile(lat, 0.9),
+            "cancellations": dict(cancels)}
+
+
+# --- the commands ---------------------------------------------------------------------------
+
+
+def _table(title: str, counts: dict) -> list[str]:
+    rows = [f"  {k:<40} {v:>8}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])]
+    return [f"{title}:"] + (rows or ["  (none)"])
+
+
+def _replay(args: argparse.Namespace, src: Source) -> int:
+    try:
+        s = replay_summary(src)
+    except InvariantViolation as v:
+        print(f"replay stopped: {v}", file=sys.stderr)
+        return 1
+    if args.json:
+        return _dump(s)
+    st = s["store"]
+    lines = [f"{s['events']} events, {s['requests']} requests"]
+    for title, key in (("outcomes", "outcomes"), ("plans", "plans"), ("published", "published"),
+                       ("refused (reason)", "refused"), ("evicted (reason)", "evicted"),
+                       ("lost (reason)", "lost"), ("store at the end (kind)", "by_kind")):
+        lines += _table(title, st[key] if key == "by_kind" else s[key])
+    lines.append(f"store: {st['endpoints']} endpoints held of {st['max_endpoints']}, "
+                 f"folded to seq {st['applied_seq']}")
+    print("\n".join(lines))
+    return 0
+
+
+def _check(args: argparse.Namespace, src: Source) -> int:
+    checker, v = check(src)
+    if v is None:
+        doc = {"ok": True, "events": checker.events, "requests": len(checker.requests)}
+        if args.json:
+            return _dump(doc)
+        print(f"{checker.events} events, {len(checker.requests)} requests: every "
+              "journal-checkable invariant holds")
+        return 0
+    before = lead_up(src, v)
+    doc = {"ok": False, "invariant": v.invariant, "seq": v.seq, "request": v.request,
+           "message": str(v), "verified_events": checker.events - 1, "lead_up": before}
+    if args.json:
+        _dump(doc)
+        return 1
+    print(f"VIOLATION of invariant {v.invariant} at seq {v.seq}, request {v.request}:\n  {v}")
+    print(f"{doc['verified_events']} events verified before it; the events that led there:")
+    for r in before:
+        print(f"  seq {r['seq']:>8} {r['request'] or '-':<10} {r['kind']:<20} "
+              f"{r['detail']}")
+    return 1
+
+
+def _show(args: argparse.Namespace, src: Source) -> int:
+    lines = timeline(src, args.request, args.conversation)
+    if not lines:
+        what = f"request {args.request}" if args.request is not None \
+            else f"conversation {args.conversation}"
+        print(f"no events for {what} in {src.path}", file=sys.stderr)
+        return 1
+    if args.json:
+        return _dump(lines)
+    for x in lines:
+        off = "+" + format(x["offset"], ".4f") + "s"
+        print(f"{off:>11}  #{x['seq']:<8} {x['request'] or '-':<8} "
+              f"{x['kind']:<20} {x['detail']}")
+    return 0
+
+
+def _stats(args: argparse.Namespace, src: Source) -> int:
+    s = stats(src)
+    if args.json:
+        return _dump(s)
+    for k, v in s.items():
+        shown = f"{v:.4g}" if isinstance(v, float) else ("-" if v is None else v)
+        print(f"{k:<18} {shown}")
+    return 0
+
+
+def _export(args: argparse.Namespace, src: Source) -> int:
+    out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    try:
+        if args.json:
+            json.dump([export_dict(r) for r in src.rows(progress=True)], out)
+            out.write("\n")
+        else:
+            for r in src.rows(progress=True):
+                out.write(json.dumps(export_dict(r), separators=(",", ":")) + "\n")
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    return 0
+
+
+def _dump(doc) -> int:
+    print(json.dumps(doc, indent=2))
+    return 0
+
+
+def _run(command):
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return command(args, Source(args.path))
+        except JournalError as e:
+            print(f"ninfer journal {args.journal_command}: {e}", file=sys.stderr)
+            return 2
+    return run
+
+
+def add_journal_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `journal` and its subcommands on `subparsers` (the `ninfer` command's)."""
+    journal = subparsers.add_parser(
+        "journal", help="read a journal (opened read-only): replay, check, show, stats, export")
+    sub = journal.add_subparsers(dest="journal_command", required=True)
+    specs = [
+        ("replay", _replay, "rebuild the store from the journal and summarise: requests by "
+         "outcome, plans by kind, endpoints published / refused (reasons) / evicted / lost, the "
+         "store at the end"),
+        ("check", _check, "check every journal-checkable invariant (specs/invariants.md); exit 1 "
+         "at the first violation with its invariant, seq, request and the events before it"),
+        ("show", _show, "a timeline of one request or conversation, one line per event"),
+        ("stats", _stats, "rates, reuse ratio, speculative acceptance, time to first token, "
+         "cancellations by state"),
+        ("export", _export, "one JSON object per event (seq, time, request, conversation, kind, "
+         "data)"),
+    ]
+    for name, command, text in specs:
+        p = sub.add_parser(name, help=text, description=text)
+        p.add_argument("path", help="the journal (SQLite file); never modified")
+        p.add_argument("--json", action="store_true",
+                       help="a JSON document instead of the table" if name != "export"
+                       else "one JSON array instead of JSON lines")
+        p.set_defaults(func=_run(command))
+        if name == "show":
+            which = p.add_mutually_exclusive_group(required=True)
+            which.add_argument("--request", help="a request id")
+            which.add_argument("--conversation", help="a conversation (session) key")
+        if name == "export":
+            p.add_argument("--jsonl", action="store_true",
+                           help="JSON lines, one event a line (the default)")
+            p.add_argument("-o", "--output", default=None, help="write here instead of stdout")
+    return journal
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`ninfer journal ...` on its own (tests; the `ninfer` command wires the same parser)."""
+    parser = argparse.ArgumentParser(prog="ninfer")
+    add_journal_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
