@@ -77,7 +77,7 @@ class PrefillCompleted(Event):
 @event
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StopReached(Event):
-    reason: str                 # stop_token | max_tokens | context_limit
+    reason: str                 # stop_token | max_tokens | context_limit | stop_string
 
 
 @event
