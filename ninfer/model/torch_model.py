@@ -122,7 +122,7 @@ class TorchModel:
             ids = torch.tensor([list(items[m][1]) for m in members], device=self.device)
             starts = torch.tensor([items[m][2] for m in members], device=self.device)
             positions = starts[:, None] + torch.arange(n, device=self.device)  # [B, T]
-            keep = per_position and n <= VERIFY_STATES_UP_TO
+            keep = per_position and 1 < n <= VERIFY_STATES_UP_TO  # one token: its end is it
             state = self._state([lane.slot for lane in lanes], [lane.attn_blocks for lane in lanes])
             self._launched += 1
             out = self.net.forward(ids, positions, state, all_states=keep)
