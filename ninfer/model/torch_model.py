@@ -29,6 +29,11 @@ class PagedKV:
     def __init__(self, k: dict[int, Tensor], v: dict[int, Tensor], block_size: int,
                  tables: Sequence[Sequence[int]]) -> None:
         self.k, self.v, self.bs = k, v, block_size
+        # one lane whose blocks are consecutive (a fresh pool hands them out in order): its
+        # KV is a slice of the storage, read without a gather
+        only = tables[0] if len(tables) == 1 else None
+        self.run = only[0] if only and only[-1] - only[0] == len(only) - 1 and all(
+            b - a == 1 for a, b in zip(only, only[1:], strict=False)) else None
         width = max(1, max(len(t) for t in tables))
         device = next(iter(k.values())).device
         self.tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables],
@@ -42,6 +47,10 @@ class PagedKV:
 
     def read(self, layer: int, length: int) -> tuple[Tensor, Tensor]:
         n = -(-length // self.bs)
+        if self.run is not None:
+            k, v = (t[layer][self.run:self.run + n] for t in (self.k, self.v))
+            return (k.reshape(1, n * self.bs, *k.shape[2:])[:, :length],
+                    v.reshape(1, n * self.bs, *v.shape[2:])[:, :length])
         idx = self.tables[:, :n]  # [B, n]
         B = idx.shape[0]
         k = self.k[layer][idx].reshape(B, n * self.bs, *self.k[layer].shape[2:])
