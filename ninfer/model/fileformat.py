@@ -5,8 +5,9 @@ Layout (integers little-endian):
     0        MAGIC, 8 bytes: b"\\x89NINFER\\n"
     8        N, the header's length in bytes (u64)
     16       the header: UTF-8 JSON, space-padded so that the payload starts at a multiple of 64
-    16 + N   the payload: raw tensor bytes (C order, little-endian), each tensor starting at a
-             multiple of 64 from the payload's start, zero bytes between tensors
+    16 + N   the payload: a safetensors file (its u64 header length, its JSON header padded
+             so its data starts at a multiple of 64, then the tensors back to back, largest
+             element size first so each starts aligned to its own element size)
 
 Header fields: `format_version` (1), `config` (config.json as `ModelConfig.to_dict()` writes
 it), `tokenizer_json` (tokenizer.json's text), `tokenizer_config` (tokenizer_config.json without
@@ -14,10 +15,11 @@ its template), `chat_template` (a string, or named templates), `generation_confi
 {}), `tensors` ({name: {dtype, shape, offset, nbytes}}, offsets from the payload's start),
 `payload_bytes` and `payload_sha256`.
 
-Why raw bytes rather than an embedded safetensors file: the header already indexes the
-tensors, and aligned raw bytes are memory-mapped and viewed as tensors without a copy. The
-checksum covers the whole payload (padding included); `read_ninfer` checks it unless told not
-to, and checks every offset before touching tensor data.
+The payload is a standard safetensors file (any safetensors reader takes the bytes from
+offset 16 + N on); the outer header indexes the same tensors by offset from the payload's
+start, so they are memory-mapped and viewed without a copy. The checksum covers the whole
+payload; `read_ninfer` checks it unless told not to, and checks every offset before touching
+tensor data.
 """
 
 from __future__ import annotations
@@ -78,14 +80,26 @@ def write_ninfer(out_path: str | Path, *, config: dict, tokenizer_json: str,
     if sys.byteorder != "little":
         raise RuntimeError(".ninfer payloads are little-endian; this host is not")
     out = Path(out_path)
-    index, offset = {}, 0
     for name, t in tensors.items():
         if t.dtype not in DTYPE_NAMES:
             raise ValueError(f"tensor {name!r}: dtype {t.dtype} cannot be stored")
+    # largest elements first: back to back, every tensor stays aligned to its element size
+    names = sorted(tensors, key=lambda n: -tensors[n].element_size())
+    st_index, offset = {}, 0
+    for name in names:
+        t = tensors[name]
         nbytes = t.numel() * t.element_size()
-        index[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
-                       "offset": offset, "nbytes": nbytes}
-        offset = _align(offset + nbytes)
+        st_index[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                          "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    st_header = json.dumps(st_index, separators=(",", ":")).encode("utf-8")
+    st_header += b" " * (_align(8 + len(st_header)) - 8 - len(st_header))
+    data_start = 8 + len(st_header)
+    index = {name: {"dtype": e["dtype"], "shape": e["shape"],
+                    "offset": data_start + e["data_offsets"][0],
+                    "nbytes": e["data_offsets"][1] - e["data_offsets"][0]}
+             for name, e in st_index.items()}
+    offset += data_start
     header = {"format_version": FORMAT_VERSION, "config": config,
               "tokenizer_json": tokenizer_json, "tokenizer_config": tokenizer_config,
               "chat_template": chat_template, "generation_config": generation_config,
@@ -96,18 +110,14 @@ def write_ninfer(out_path: str | Path, *, config: dict, tokenizer_json: str,
         # The checksum is known only after the payload: write a placeholder of the same
         # length, then rewrite the header in place.
         f.write(MAGIC + struct.pack("<Q", len(_encode_header(header))) + _encode_header(header))
-        written = 0
-        for name, t in tqdm(tensors.items(), total=len(tensors), unit="tensor",
-                            desc=f"writing {out.name}", disable=not progress):
-            data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-            pad = b"\0" * (index[name]["offset"] - written)
-            for chunk in (pad, data):
-                f.write(chunk)
-                digest.update(chunk)
-            written = index[name]["offset"] + index[name]["nbytes"]
-        tail = b"\0" * (offset - written)
-        f.write(tail)
-        digest.update(tail)
+        st_head = struct.pack("<Q", len(st_header)) + st_header
+        f.write(st_head)
+        digest.update(st_head)
+        for name in tqdm(names, total=len(names), unit="tensor", desc=f"writing {out.name}",
+                         disable=not progress):
+            data = tensors[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+            f.write(data.numpy())
+            digest.update(data.numpy())
         header["payload_sha256"] = digest.hexdigest()
         f.seek(16)
         f.write(_encode_header(header))
@@ -161,7 +171,8 @@ def _check_entry(path: Path, name: str, entry: Any, payload_bytes: int) -> None:
     ok = (isinstance(entry, dict) and entry.get("dtype") in DTYPES
           and isinstance(entry.get("shape"), list)
           and all(isinstance(d, int) and d >= 0 for d in entry["shape"])
-          and isinstance(entry.get("offset"), int) and entry["offset"] % ALIGN == 0
+          and isinstance(entry.get("offset"), int)
+          and entry["offset"] % DTYPES[entry["dtype"]].itemsize == 0
           and isinstance(entry.get("nbytes"), int) and entry["offset"] >= 0)
     if ok:
         numel = 1

@@ -241,3 +241,17 @@ def test_convert_refuses_before_writing(copy, tmp_path):
     with pytest.raises(LoadError, match="model.safetensors"):
         convert(copy, out, progress=False)
     assert not out.exists() and not list(tmp_path.glob("*.partial"))
+
+
+def test_the_payload_is_a_safetensors_file(tiny_dir, tiny_ninfer):
+    """Any safetensors reader takes the payload as it stands."""
+    import struct
+
+    from safetensors.torch import load
+
+    raw = tiny_ninfer.read_bytes()
+    (n,) = struct.unpack("<Q", raw[8:16])
+    tensors = load(raw[16 + n:])
+    expected = load_files(tiny_dir).tensors
+    assert tensors.keys() == expected.keys()
+    assert all(torch.equal(tensors[k], expected[k]) for k in expected)
