@@ -378,8 +378,8 @@ class Engine:
             roles.append("shared")
         if position in self._anchor_positions(request):
             roles.append("anchor")
-        if self.runner.mtp and position < request.target:
-            roles.append("fallback")  # where a cut prefill resumes if the frontier lags
+        if position < request.target:  # a cut prefill resumes here if its frontier lags
+            roles.append("fallback")     # (MTP catching up) or is not fenced yet
         for role in roles:
             if self.slots.free == 0 and not self._evict_one():
                 return
