@@ -34,12 +34,12 @@ def run_stateful(*, minutes: float, max_examples: int, seed: int | None) -> int:
               bar_format="{desc}: {bar} {n_fmt}/{total_fmt}s{postfix}") as bar:
         while time.monotonic() < deadline:
             round_seed = rng.randrange(2**32)
+            bar.set_postfix_str(f"{rounds} rounds x {max_examples} examples, now seed "
+                                f"{round_seed}")
             started = time.monotonic()
             status = _one(round_seed, max_examples, quiet=True)
             rounds += 1
             bar.update(min(int(time.monotonic() - started), bar.total - bar.n))
-            bar.set_postfix_str(f"{rounds} rounds x {max_examples} examples, last seed "
-                                f"{round_seed}")
             if status:
                 return status
     print(f"no failure in {rounds} rounds of {max_examples} examples")

@@ -225,6 +225,9 @@ class Runner:
             return ngram_draft(seq, k), None
         if not self.mtp:
             return [], None
+        # the first draft comes from the MTP forward at frontier-1; run it even if its entry
+        # is already written (same verified inputs, same entry)
+        lane.mtp_valid = min(lane.mtp_valid, frontier - 1)
         last = self.mtp_catch_up(lane, seq, frontier)
         if last is None:
             raise MissingStatePart(f"no MTP forward at {frontier - 1} to draft from")

@@ -122,6 +122,16 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.h.step()
         self.h.engine.draft_hook = None
 
+    @precondition(lambda self: self.h is not None and any(
+        x.request.state in ("Prefilling", "Active") for x in self.h.engine.live.values()))
+    @rule(data=st.data())
+    def preempt(self, data):
+        """Memory pressure picks this lane: salvage, back to the queue, re-plan."""
+        lanes = [x for x in self.h.engine.live.values()
+                 if x.request.state in ("Prefilling", "Active")]
+        self.h.engine._preempt(data.draw(st.sampled_from(lanes), label="lane"))
+        self.h.step()
+
     @precondition(lambda self: self.h is not None and self.h.engine.store.endpoints)
     @rule(data=st.data())
     def evict(self, data):

@@ -173,3 +173,21 @@ def test_a_capture_is_fenced_once_its_step_commits():
     assert captured and not captured[-1].checkpoint.fenced  # captured mid-step
     live = next(iter(h.engine.live.values()))
     assert all(h.engine._facts(held).fenced for held in live.captures)
+
+
+def test_a_request_preempted_while_decoding_resumes_from_its_frontier():
+    """Found by `ninfer fuzz stateful`: preempted in Active under MTP, the request resumes
+    from its own published frontier with nothing to prefill; its first draft must still come
+    from an MTP forward at frontier-1 (whose entry was already written)."""
+    h = _harness()
+    rid = h.submit(PROMPT, "s", max_tokens=12)
+    h.step()
+    while h.request(rid).state != "Active" or len(h.request(rid).outputs) < 3:
+        h.step()
+    h.engine._preempt(h.engine.live[rid])
+    h.run()
+    h.check()
+    r = h.request(rid)
+    assert r.state == "Finished" and r.plan.kind == "PrivateEndpoint"
+    assert r.plan.reuse_base > len(PROMPT)  # prompt and decoded tokens were kept
+    assert r.outputs == h.engine.model.reference_generate(PROMPT, 12)
