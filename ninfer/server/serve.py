@@ -78,6 +78,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="output limit when a request sets none (capped by the context)")
     p.add_argument("--journal", default=None,
                    help=f"event journal (SQLite) path (default {default_journal()})")
+    p.add_argument("--journal-content", choices=["tokens", "hashes"], default="tokens",
+                   help="what the journal keeps of prompts: token ids and block hashes, or "
+                        "only the hashes (prefix matching needs only those; replaying a "
+                        "journal's requests needs the ids). Output ids are always kept")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accept this API key (repeatable; @PATH reads a file of keys, one a "
                         "line); each key is its own tenant. No key: the server is open")
@@ -130,7 +134,8 @@ def load(args: argparse.Namespace) -> Loaded:
                           spec=args.spec, draft_tokens=args.draft_tokens,
                           max_endpoints=args.max_endpoints,
                           max_context=min(args.max_context, args.kv_capacity),
-                          auto_anchors=max(args.auto_long_anchors, 0), keep_finished=False)
+                          auto_anchors=max(args.auto_long_anchors, 0), keep_finished=False,
+                          journal_tokens=args.journal_content == "tokens")
     path = Path(args.journal) if args.journal else default_journal()
     path.parent.mkdir(parents=True, exist_ok=True)
     journal = Journal.open(path, identity={"model": om.model.identity, "model_name": om.name,

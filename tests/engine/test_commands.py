@@ -50,3 +50,20 @@ def test_a_server_engine_forgets_ended_requests():
     h.run()
     h.check()
     assert not h.engine.requests
+
+
+def test_a_hashes_only_journal_keeps_no_token_ids_and_reuse_still_works():
+    h = Harness(EngineConfig(spec="mtp", prefill_chunk=8, journal_tokens=False,
+                             check_reuse=True))
+    first = h.submit(PROMPT, "s", max_tokens=4)
+    h.run()
+    nxt = PROMPT + tuple(h.request(first).outputs) + (3, 4)
+    second = h.submit(nxt, "s", max_tokens=4)
+    h.run()
+    h.check()
+    assert h.request(second).plan.reuse_base == len(PROMPT) + 3  # matched on hashes alone
+    for e in h.journal.read():
+        assert getattr(e, "tokens", None) is None or e.kind == "TokensCommitted"
+        facts = getattr(getattr(e, "endpoint", None), "checkpoint", None) or getattr(
+            e, "checkpoint", None)
+        assert facts is None or isinstance(facts, str) or facts.tokens is None
