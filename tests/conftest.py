@@ -2,6 +2,10 @@
 (derandomized, no example database); we extend it rather than replace it."""
 
 import os
+import tempfile
+
+# the embedded default model is generated into NINFER_HOME: keep tests out of ~/.cache
+os.environ.setdefault("NINFER_HOME", os.path.join(tempfile.gettempdir(), "ninfer-test-home"))
 
 from hypothesis import HealthCheck, settings
 

@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from ..engine.engine import Engine, EngineConfig, Submit, run_until_idle
+from ..engine.pools import BlockPool, SlotPool
 from ..engine.runner import Runner
 from ..lifecycle.request import SamplingParams
 from ..model.runtime import open_model
@@ -37,14 +38,12 @@ class Bench:
             self.decode(1, tokens=8, spec=spec)
 
     def engine(self, **kw) -> Engine:
-        om = self.om
-        for block in range(om.blocks.num_blocks):  # a fresh pool view over the same storage
-            om.blocks.refs[block] = 0
-        om.blocks.__init__(om.blocks.num_blocks, om.blocks.block_size)
-        om.slots.__init__(om.slots.num_slots)
+        om = self.om  # fresh bookkeeping over the same storage: every block and slot free
+        blocks = BlockPool(om.blocks.num_blocks, om.blocks.block_size)
+        slots = SlotPool(om.slots.num_slots)
         config = EngineConfig(**{"max_context": 40_000, "prefill_chunk": 2048,
                                  "max_endpoints": 64, **kw})
-        engine = Engine(om.model, config, blocks=om.blocks, slots=om.slots)
+        engine = Engine(om.model, config, blocks=blocks, slots=slots)
         engine.recover()
         return engine
 

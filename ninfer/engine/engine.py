@@ -21,6 +21,7 @@ from ..lifecycle import events as ev
 from ..lifecycle import machine, planner, salvage
 from ..lifecycle.eventlog import EventLog
 from ..lifecycle.facts import EndpointFacts, Mode
+from ..lifecycle.hashing import block_hashes
 from ..lifecycle.request import Request, SamplingParams
 from ..lifecycle.salvage import Candidate
 from ..lifecycle.store import FOLD_KINDS, ContinuationStore
@@ -556,7 +557,7 @@ class Engine:
         return f"{request.id}#{next(self._cp_ids)}"
 
     def _facts(self, held: Held):
-        return held.facts(self.mode, self.model, self.config.journal_tokens)
+        return held.facts(self.model, self.config.journal_tokens)
 
     def _reconcile(self) -> None:
         """Release checkpoints the store no longer holds (superseded, evicted, lost)."""
@@ -609,7 +610,6 @@ def _logprobs(request: Request, rows, tokens) -> tuple[dict, ...] | None:
 
 
 def _hashes(request: Request) -> tuple[int, ...]:
-    from ..lifecycle.hashing import block_hashes
     return block_hashes(request.sequence) if request.outputs else request.hashes
 
 

@@ -34,7 +34,7 @@ class Held:
     fence: int = 0       # Model.fence() when its parts were last written
     _hashes: tuple[int, ...] = field(default=(), repr=False)
 
-    def facts(self, mode: Mode, model: Model, journal_tokens: bool) -> CheckpointFacts:
+    def facts(self, model: Model, journal_tokens: bool) -> CheckpointFacts:
         if not self._hashes and self.tokens:
             self._hashes = block_hashes(self.tokens)
         return CheckpointFacts(

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SPEC_MODES = ("none", "mtp", "ngram")
-ENDPOINT_KINDS = ("private", "anchor", "shared")
 
 
 @dataclass(frozen=True, slots=True)

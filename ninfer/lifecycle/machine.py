@@ -106,7 +106,6 @@ def _emit_all(kinds: list[str]) -> Callable:
             for cls, fields in emitter(request, event_data):
                 request.emit(cls, **fields)
 
-    after.kinds = tuple(kinds)
     return after
 
 

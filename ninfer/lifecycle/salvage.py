@@ -53,7 +53,6 @@ def materializable(cp: CheckpointFacts, mode: Mode) -> Decision:
 
 # --- salvage: what a finishing, cancelled or preempted request leaves behind ---------------
 
-ROLES = ("frontier", "anchor", "shared", "fallback")
 _KIND_OF_ROLE = {"frontier": "private", "anchor": "anchor", "shared": "shared",
                  "fallback": "private"}
 

@@ -18,11 +18,6 @@ SAMPLE = "<|im_start|>user\nHello, café 😀 {\"a\": 1}<|im_end|>\n<|im_start|>
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("files") / "tiny")
-
-
-@pytest.fixture(scope="module")
 def tiny_ninfer(tiny_dir, tmp_path_factory):
     return convert(tiny_dir, tmp_path_factory.mktemp("conv") / "tiny.ninfer", progress=False)
 

@@ -7,7 +7,6 @@ import shutil
 import pytest
 
 from ninfer.model.template import ChatTemplate, ChatTemplateError, special_token_variables
-from ninfer.model.tiny import make_tiny
 from ninfer.model.tokenizer import Tokenizer
 
 WEATHER = {"type": "function", "function": {
@@ -44,11 +43,6 @@ CONVERSATIONS = {
                    {"role": "assistant", "content": "6", "thinking": ""},
                    {"role": "user", "content": "And 4+4?"}], None),
 }
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("tmpl") / "tiny")
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ import random
 
 import pytest
 
-from ninfer.model.tiny import make_tiny
 from ninfer.model.tokenizer import Tokenizer
 
 TEXTS = [
@@ -17,11 +16,6 @@ TEXTS = [
     "  leading spaces, tabs\tand\n\n\nnewlines  ",
     "<tool_call>\n{}\n</tool_call><tool_response>\n42\n</tool_response><|endoftext|>",
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("tok") / "tiny")
 
 
 @pytest.fixture(scope="module")
