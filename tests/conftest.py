@@ -6,6 +6,10 @@ import tempfile
 
 # the embedded default model is generated into NINFER_HOME: keep tests out of ~/.cache
 os.environ.setdefault("NINFER_HOME", os.path.join(tempfile.gettempdir(), "ninfer-test-home"))
+# Triton kernels run on the CPU only in its interpreter, chosen when a kernel is decorated:
+# set before any kernel module is imported (a machine with a GPU runs them for real)
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from hypothesis import HealthCheck, settings
 

@@ -90,7 +90,9 @@ class Live:
 class Engine:
     def __init__(self, model: Model, config: EngineConfig, *, blocks: BlockPool,
                  slots: SlotPool, journal=None, held: dict[str, Held] | None = None,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, endpoint_files=None) -> None:
+        """`endpoint_files`: an `EndpointFiles` (engine/durable.py) to write published
+        checkpoints to and restore them from at `recover`; None keeps them in memory only."""
         self.model, self.config = model, config
         self.blocks, self.slots = blocks, slots
         self.mode = Mode(config.spec, model.identity, model.dtypes)
@@ -98,8 +100,9 @@ class Engine:
         self.store = ContinuationStore()
         self.journal = journal
         kwargs = {"clock": clock} if clock else {}
-        self.log = EventLog(self.store, journal, **kwargs)
+        self.log = EventLog(self.store, journal, journal_tokens=config.journal_tokens, **kwargs)
         self.held: dict[str, Held] = held if held is not None else {}
+        self.files = endpoint_files
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.live: dict[str, Live] = {}
@@ -120,7 +123,11 @@ class Engine:
             kinds = (*FOLD_KINDS, "RequestQueued", *ev.TERMINAL_KINDS)
             for event in self.journal.read(kinds=kinds):  # what recovery needs, nothing more
                 self.store.apply(event)
-                if isinstance(event, ev.RequestQueued):
+                if isinstance(event, ev.StoreSnapshotted):  # a rotated journal's opening
+                    for rid, r in event.requests.items():
+                        open_requests[rid] = r["session"]
+                        self._ids.add(rid)
+                elif isinstance(event, ev.RequestQueued):
                     open_requests[event.request] = event.conversation
                     self._ids.add(event.request)  # ids stay unique across restarts
                 elif event.kind in ev.TERMINAL_KINDS:
@@ -131,15 +138,15 @@ class Engine:
                           failure="interrupted", message="server stopped before it ended")
         for endpoint_id, stored in list(self.store.endpoints.items()):
             cp = stored.facts.checkpoint
-            held = self.held.get(cp.id)
-            reason = None
-            if held is None:
-                reason = "tensors did not survive the restart"
-            else:
-                decision = salvage.materializable(cp, self.mode)
-                reason = None if decision.ok else decision.reason
+            decision = salvage.materializable(cp, self.mode)
+            reason = None if decision.ok else decision.reason
+            if reason is None and cp.id not in self.held:
+                reason = self._restore_file(cp)
             if reason:
                 self.log.emit(ev.EndpointLost, endpoint=endpoint_id, reason=reason)
+        if self.files is not None:
+            self.model.synchronize()  # restored parts are written before anything reads them
+            self.files.prune(self.store.checkpoint_ids())
         self.log.emit(ev.ServerStarted, mode=self.mode,
                       max_concurrency=self.config.max_concurrency,
                       max_endpoints=self.config.max_endpoints,
@@ -147,7 +154,20 @@ class Engine:
                                "draft_tokens": self.config.draft_tokens,
                                "block_size": self.blocks.block_size})
         self._reconcile()
-        self.log.flush()
+        self._commit()
+
+    def _restore_file(self, cp) -> str | None:
+        """Bring a checkpoint back from its durable file; the reason it is lost, or None."""
+        if self.files is None:
+            return "tensors did not survive the restart"
+        from .durable import FileRefused
+        try:
+            self.held[cp.id] = self.files.restore(self.model, self.runner, cp)
+        except FileRefused as exc:
+            return str(exc)
+        except OutOfMemory as exc:
+            return f"no room to restore it: {exc}"
+        return None
 
     # --- commands (any thread) ---------------------------------------------------------
 
@@ -212,7 +232,28 @@ class Engine:
         if not self.config.keep_finished:  # a long-running server forgets ended requests
             self.requests = {k: r for k, r in self.requests.items()
                              if r.state not in machine.TERMINAL}
-        return self.log.flush()
+        return self._commit()
+
+    def _commit(self) -> list[ev.Event]:
+        """Write the step's events as one transaction; rotate a journal past its size."""
+        events = self.log.flush()
+        if self.journal is not None and self.journal.full:
+            self._rotate()
+        return events
+
+    def _rotate(self) -> None:
+        """The next file opens with a snapshot of the store and of the open requests, at
+        the next seq: replay and check start from it, and seqs stay gap-free."""
+        self.journal = self.log.journal = self.journal.rotate()
+        open_requests = {
+            r.id: {"tenant": r.tenant, "session": r.session, "prompt_len": len(r.prompt),
+                   "state": r.state, "outputs": len(r.outputs), "frontier": r.cursor,
+                   "reuse_base": r.reuse_base}
+            for r in self.requests.values() if r.state not in machine.TERMINAL}
+        self.log.emit(ev.StoreSnapshotted, previous=self.journal.meta["previous"],
+                      store=self.store.snapshot(), requests=open_requests,
+                      max_concurrency=self.config.max_concurrency)
+        self.log.flush()
 
     def idle(self) -> bool:
         return not self.live and not self.waiting and self.commands.empty()
@@ -405,7 +446,7 @@ class Engine:
         """Drop an endpoint from the store (as an event) and release its storage."""
         self.log.emit(ev.EndpointEvicted, endpoint=endpoint_id, reason=reason)
         self._reconcile()
-        self.log.flush()
+        self._commit()
 
     def _evict_one(self) -> bool:
         if not self.store.endpoints:
@@ -521,6 +562,8 @@ class Engine:
         for held in live.captures:
             if held.id in published:
                 self.held[held.id] = held
+                if self.files is not None:
+                    self.files.save(self.model, held)
             else:
                 self.runner.release_held(held)
         live.captures.clear()
@@ -564,6 +607,8 @@ class Engine:
         wanted = self.store.checkpoint_ids()
         for cp_id in [c for c in self.held if c not in wanted]:
             self.runner.release_held(self.held.pop(cp_id))
+            if self.files is not None:
+                self.files.delete(cp_id)
 
     def check_integrity(self) -> None:
         """Invariant 6, conservation: pool use equals what lanes and endpoints hold."""

@@ -91,6 +91,13 @@ class Model(Protocol):
     def copy_block(self, src: int, dst: int, n: int) -> None:
         """Copy the first `n` entries of block `src` into block `dst`."""
 
+    def export_parts(self, held) -> dict[str, Any]:
+        """A copy of a checkpoint's parts (attention KV [0,P), MTP KV [0,mtp_kv), its slot),
+        taken now, that later writes to the pools do not change: tensors, or JSON values."""
+
+    def import_parts(self, held, parts: dict[str, Any]) -> None:
+        """Write parts from `export_parts` into `held`'s (fresh) blocks and slot."""
+
     def read_parts(self, lane: Lane, position: int, mtp_kv: int) -> Parts:
         """Read the parts at `position` from storage (for the exactness check)."""
 

@@ -76,6 +76,19 @@ class Runner:
         lane.attn_blocks.extend(self.blocks.alloc() for _ in range(need_a))
         lane.mtp_blocks.extend(self.blocks.alloc() for _ in range(need_m))
 
+    def allocate_held(self, cp_id: str, tokens: tuple[int, ...], mtp_kv: int,
+                      hidden_at: int | None) -> Held:
+        """Empty storage for a checkpoint read back from disk (the caller fills it).
+        Raises OutOfMemory having allocated nothing."""
+        p = len(tokens)
+        need = self.blocks.blocks_for(p) + self.blocks.blocks_for(mtp_kv)
+        if need > self.blocks.free or self.slots.free == 0:
+            raise OutOfMemory(f"need {need} KV blocks and a slot to restore {cp_id}")
+        attn = [self.blocks.alloc() for _ in range(self.blocks.blocks_for(p))]
+        mtp = [self.blocks.alloc() for _ in range(self.blocks.blocks_for(mtp_kv))]
+        return Held(cp_id, p, tokens, attn, mtp, mtp_kv, self.slots.alloc(), hidden_at,
+                    "frontier")
+
     def release_lane(self, lane: Lane) -> None:
         self.blocks.release(lane.attn_blocks)
         self.blocks.release(lane.mtp_blocks)

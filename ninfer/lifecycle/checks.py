@@ -45,6 +45,8 @@ class JournalChecker:
         return self
 
     def feed(self, e: ev.Event) -> None:
+        if isinstance(e, ev.StoreSnapshotted) and self.last_seq == 0:
+            self._resume(e)  # a rotated journal: carry on from what its snapshot says
         if e.seq != self.last_seq + 1:
             raise InvariantViolation(4, e.seq, f"seq gap or repeat after {self.last_seq}",
                                      e.request)
@@ -65,6 +67,20 @@ class JournalChecker:
         handler = _HANDLERS.get(type(e))
         if handler is not None:
             handler(self, e, r)
+
+    def _resume(self, e: ev.StoreSnapshotted) -> None:
+        self.last_seq = e.seq - 1
+        self.max_concurrency = e.max_concurrency
+        for rid, r in e.requests.items():
+            self.requests[rid] = _Req(r["tenant"], r["session"], r["prompt_len"], r["state"],
+                                      r["outputs"], r["frontier"], r["reuse_base"])
+        self.live = sum(r.state in LIVE_STATES for r in self.requests.values())
+
+    def _snapshotted(self, e: ev.StoreSnapshotted, _r) -> None:
+        open_ids = {rid for rid, r in self.requests.items() if not r.ended_at}
+        if open_ids != set(e.requests):
+            raise self._violation(4, e, f"the snapshot's open requests {sorted(e.requests)} "
+                                  f"are not the journal's {sorted(open_ids)}")
 
     def _violation(self, n: int, e: ev.Event, message: str) -> InvariantViolation:
         return InvariantViolation(n, e.seq, message, e.request)
@@ -108,10 +124,10 @@ class JournalChecker:
         r.frontier = e.cursor
 
     def _committed(self, e: ev.TokensCommitted, r: _Req) -> None:
-        if not e.tokens or e.frontier < r.frontier:
+        if not e.committed or e.frontier < r.frontier:
             raise self._violation(9, e, f"frontier went from {r.frontier} to {e.frontier}")
         r.frontier = e.frontier
-        r.outputs += len(e.tokens)
+        r.outputs += e.committed
 
     @staticmethod
     def _state(new: str):
@@ -137,6 +153,7 @@ class JournalChecker:
 
 _HANDLERS = {
     ev.ServerStarted: JournalChecker._server_started,
+    ev.StoreSnapshotted: JournalChecker._snapshotted,
     ev.RequestQueued: JournalChecker._queued,
     ev.PrefillAdvanced: JournalChecker._advanced,
     ev.TokensCommitted: JournalChecker._committed,

@@ -6,14 +6,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from .events import Event
+from .events import Event, without_token_ids
 from .store import ContinuationStore
 
 
 class EventLog:
     def __init__(self, store: ContinuationStore, journal=None, *, last_seq: int = 0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, journal_tokens: bool = True) -> None:
+        """`journal_tokens` False: output token ids reach listeners (the server streams
+        them) but not the journal (`without_token_ids`)."""
         self.store = store
+        self.journal_tokens = journal_tokens
         self.journal = journal
         self.seq = last_seq
         self.clock = clock
@@ -27,7 +30,7 @@ class EventLog:
         event = cls(seq=self.seq, time=self.clock(), request=request,
                     conversation=conversation, **fields)
         self.store.apply(event)
-        self.pending.append(event)
+        self.pending.append(event if self.journal_tokens else without_token_ids(event))
         for listener in self.listeners:
             listener(event)
         return event

@@ -149,12 +149,18 @@ class CheckpointCaptured(Event):
 @event
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TokensCommitted(Event):
-    tokens: tuple[int, ...]
+    tokens: tuple[int, ...] | None  # None in a journal whose content is "hashes"
     frontier: int               # state frontier after the commit
     drafted: int = 0
     accepted: int = 0
     # only when the request asked for them: per token {"token", "logprob", "top": [[id, lp]]}
     logprobs: tuple[dict, ...] | None = None
+    count: int | None = None    # tokens committed, kept when the ids are left out
+
+    @property
+    def committed(self) -> int:
+        """How many tokens this commit added (known with or without their ids)."""
+        return len(self.tokens) if self.tokens is not None else self.count or 0
 
 
 # --- store and server ---------------------------------------------------------------------
@@ -181,6 +187,26 @@ class ServerStarted(Event):
     max_concurrency: int
     max_endpoints: int
     options: dict[str, Any] = field(default_factory=dict)
+
+
+def without_token_ids(event: Event) -> Event:
+    """`event` as a journal whose content is "hashes" keeps it: output token ids (and the
+    log-probabilities that name tokens) left out, their number kept. Events the fold reads
+    are built without ids already (the live and replayed stores stay equal)."""
+    if isinstance(event, TokensCommitted) and event.tokens is not None:
+        return dataclasses.replace(event, tokens=None, logprobs=None, count=len(event.tokens))
+    return event
+
+
+@event
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StoreSnapshotted(Event):
+    """The first event of a rotated journal file: what the events before it left behind."""
+
+    previous: str | None        # the file this one continues
+    store: dict[str, Any]       # ContinuationStore.snapshot()
+    requests: dict[str, Any]    # open requests: what recovery and journal check carry over
+    max_concurrency: int = 0
 
 
 TERMINAL_KINDS = frozenset({"RequestFinished", "RequestCancelled", "RequestFailed"})
@@ -244,6 +270,16 @@ def _as_dict(obj: Any, nested: frozenset[str]) -> dict[str, Any]:
 def _converters(cls: type[Event]) -> tuple[tuple[str, Any], ...]:
     hints = typing.get_type_hints(cls)
     return tuple((n, c) for n in _field_names(cls) if (c := _converter(hints[n])) is not None)
+
+
+@functools.cache
+def _builder(tp: type):
+    return _converter(tp)
+
+
+def from_plain(tp: type, value: Any) -> Any:
+    """A dataclass of type `tp` (nested facts included) rebuilt from its JSON value."""
+    return _builder(tp)(dict(value))
 
 
 def to_json(ev: Event) -> str:

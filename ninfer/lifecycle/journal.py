@@ -22,6 +22,7 @@ from .events import Event, UnknownEventKind, from_row, to_row
 SCHEMA_VERSION = 1
 APPLICATION = "ninfer"
 RESERVED_META = frozenset({"schema_version", "application"})
+ROTATION_META = frozenset({"previous", "first_seq"})  # a rotated file's own, not carried on
 _SYNCHRONOUS = frozenset({"OFF", "NORMAL", "FULL", "EXTRA"})
 _INSERT = "INSERT INTO events VALUES (?,?,?,?,?,?)"
 _SELECT = ("SELECT seq, time, request, conversation, kind, data FROM events "
@@ -121,20 +122,27 @@ class Journal:
 
     _template: sqlite3.Connection | None = None
 
-    def __init__(self, conn: sqlite3.Connection, path: str, torn_tail_bytes: int = 0) -> None:
+    def __init__(self, conn: sqlite3.Connection, path: str, torn_tail_bytes: int = 0, *,
+                 synchronous: str = "NORMAL", max_bytes: int | None = None) -> None:
         self.path = path
         self.torn_tail_bytes = torn_tail_bytes
+        self.synchronous, self.max_bytes = synchronous, max_bytes
         self._conn = conn
         self._db = sqlite_utils.Database(conn)
         with self._errors("reading last seq"):
-            self._last_seq = conn.execute("SELECT MAX(seq) FROM events").fetchone()[0] or 0
+            last = conn.execute("SELECT MAX(seq) FROM events").fetchone()[0]
+            if last is None:  # empty; a rotated file continues its predecessor's seqs
+                row = conn.execute("SELECT value FROM meta WHERE key = 'first_seq'").fetchone()
+                last = int(json.loads(row[0])) - 1 if row else 0
+        self._last_seq = last
 
     @classmethod
     def open(cls, path: str | Path, *, identity: dict[str, Any] | None = None,
-             synchronous: str = "NORMAL") -> Journal:
+             synchronous: str = "NORMAL", max_bytes: int | None = None) -> Journal:
         """Open or create the journal at `path` (WAL mode; created with file mode 0600).
 
-        `identity` items (model identity, server options) are stored in `meta`. A torn WAL tail
+        `identity` items (model identity, server options) are stored in `meta`. `max_bytes`:
+        the size past which the owner should `rotate` (see `full`). A torn WAL tail
         is logged and the journal opens up to its last complete transaction. A non-database,
         damaged, foreign or newer journal is a JournalError naming the file and the reason."""
         path, sync = Path(path), synchronous.upper()
@@ -159,7 +167,7 @@ class Journal:
                     raise JournalError(f"journal {path}: cannot use WAL mode (got {mode!r})")
                 conn.execute(f"PRAGMA synchronous={sync}")
                 _prepare(sqlite_utils.Database(conn), path, identity)
-            journal = cls(conn, str(path), torn)
+            journal = cls(conn, str(path), torn, synchronous=sync, max_bytes=max_bytes)
         except BaseException:
             conn.close()
             raise
@@ -252,6 +260,46 @@ class Journal:
                                            f"at seq {row[0]}: {e}") from e
                     yield ev
 
+    @property
+    def first_seq(self) -> int:
+        """The seq of the file's first event (a rotated file's continues its predecessor)."""
+        with self._errors("reading first seq"):
+            first = self._conn.execute("SELECT MIN(seq) FROM events").fetchone()[0]
+        return first if first is not None else self._last_seq + 1
+
+    def size(self) -> int:
+        """Bytes of the database, the WAL's committed pages included."""
+        with self._errors("reading its size"):
+            pages = self._conn.execute("PRAGMA page_count").fetchone()[0]
+            return pages * self._conn.execute("PRAGMA page_size").fetchone()[0]
+
+    @property
+    def full(self) -> bool:
+        """Past `max_bytes`: time to rotate."""
+        return self.max_bytes is not None and self.size() >= self.max_bytes
+
+    def rotate(self) -> Journal:
+        """Close this file, rename it `<stem>.<first>-<last><suffix>` beside the path, and
+        open a fresh journal at the path with the same meta, continuing at seq last+1.
+        The caller writes the `StoreSnapshotted` that opens it. Returns the new journal."""
+        if self.path == ":memory:":
+            raise JournalError("an in-memory journal cannot rotate")
+        meta = {k: v for k, v in self.meta.items() if k not in RESERVED_META | ROTATION_META}
+        first, last = self.first_seq, self._last_seq
+        path = Path(self.path)
+        rotated = path.with_name(f"{path.stem}.{first}-{last}{path.suffix}")
+        self.close()
+        try:
+            os.replace(path, rotated)
+            for suffix in ("-wal", "-shm"):  # left by a reader that kept the file open
+                if Path(f"{path}{suffix}").exists():
+                    os.replace(f"{path}{suffix}", f"{rotated}{suffix}")
+        except OSError as e:
+            raise JournalError(f"journal {path}: rotating to {rotated}: {e}") from e
+        log.info("journal %s: rotated seqs %d..%d to %s", path, first, last, rotated.name)
+        return Journal.open(path, identity=meta | {"previous": rotated.name, "first_seq": last + 1},
+                            synchronous=self.synchronous, max_bytes=self.max_bytes)
+
     def count(self) -> int:
         """The number of events in the journal."""
         with self._errors("counting events"):
@@ -269,6 +317,25 @@ class Journal:
 
     def _errors(self, doing: str) -> contextlib.AbstractContextManager[None]:
         return _sqlite_errors(self.path, doing)
+
+
+def chain(path: str | Path) -> list[Path]:
+    """The journal at `path` and the files it was rotated from, oldest first (following
+    each file's `previous` meta back until a file has none or is missing)."""
+    files = [Path(path)]
+    while True:
+        try:
+            conn = sqlite3.connect(files[0].resolve().as_uri() + "?mode=ro", uri=True)
+            try:
+                row = conn.execute("SELECT value FROM meta WHERE key = 'previous'").fetchone()
+            finally:
+                conn.close()
+        except sqlite3.Error as e:
+            raise JournalError(f"journal {files[0]}: reading meta: {e}") from e
+        before = files[0].with_name(json.loads(row[0])) if row else None
+        if before is None or not before.exists() or before in files:
+            return files
+        files.insert(0, before)
 
 
 @contextlib.contextmanager

@@ -8,6 +8,9 @@ recorded facts of every `EndpointPublished` with the one predicate and raises
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import json
 from dataclasses import dataclass
 
 from . import events as ev
@@ -78,6 +81,11 @@ class ContinuationStore:
             )
         if facts.id in self.endpoints:
             raise InvariantViolation(1, e.seq, f"endpoint {facts.id} published twice", e.request)
+        self._index(facts, e.seq, e.seq)
+
+    def _index(self, facts: EndpointFacts, published_seq: int, last_used_seq: int) -> None:
+        """Hold `facts`, replacing the endpoint in the same place (latest point, anchor
+        position, shared position)."""
         key = (facts.tenant, facts.session or "")
         if facts.kind == "private":
             self._drop(self._latest.get(key))
@@ -90,7 +98,27 @@ class ContinuationStore:
             )
             self._drop(index.get(facts.position))
             index[facts.position] = facts.id
-        self.endpoints[facts.id] = StoredEndpoint(facts, e.seq, e.seq)
+        self.endpoints[facts.id] = StoredEndpoint(facts, published_seq, last_used_seq)
+
+    def _snapshotted(self, e: ev.StoreSnapshotted) -> None:
+        if self.applied_seq == 0:  # a rotated journal opens here: start from its snapshot
+            self._load(e)
+        elif _plain(self.snapshot()) != _plain(e.store):
+            raise InvariantViolation(5, e.seq, "the snapshot differs from the store folded from "
+                                     "the events before it")
+
+    def _load(self, e: ev.StoreSnapshotted) -> None:
+        snap = copy.deepcopy(e.store)
+        self.mode = Mode(**snap["mode"]) if snap["mode"] else None
+        self.max_endpoints = snap["max_endpoints"]
+        for item in snap["endpoints"]:
+            facts = ev.from_plain(EndpointFacts, item["facts"])
+            decision = salvage.materializable(facts.checkpoint, self.mode) if self.mode \
+                else salvage.Refused("no server mode in the snapshot")
+            if not decision.ok:
+                raise InvariantViolation(1, e.seq, f"snapshot holds endpoint {facts.id} but "
+                                         f"{decision.reason}")
+            self._index(facts, item["published_seq"], item["last_used_seq"])
 
     def _started(self, e: ev.RequestStarted) -> None:
         if e.endpoint is None:
@@ -162,6 +190,16 @@ class ContinuationStore:
             {k: v for k, v in self._shared.items() if v},
         )
 
+    def snapshot(self) -> dict:
+        """Everything the fold holds, as JSON values: `StoreSnapshotted.store`. The indexes
+        are not in it: each endpoint occupies exactly one place, which its facts name."""
+        return {
+            "mode": dataclasses.asdict(self.mode) if self.mode else None,
+            "max_endpoints": self.max_endpoints,
+            "endpoints": [{"facts": dataclasses.asdict(s.facts), "published_seq": s.published_seq,
+                           "last_used_seq": s.last_used_seq} for s in self.endpoints.values()],
+        }
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ContinuationStore) and self.state() == other.state()
 
@@ -186,6 +224,12 @@ _HANDLERS = {
     ev.RequestStarted: ContinuationStore._started,
     ev.EndpointEvicted: ContinuationStore._removed,
     ev.EndpointLost: ContinuationStore._removed,
+    ev.StoreSnapshotted: ContinuationStore._snapshotted,
 }
+
+
+def _plain(value) -> object:
+    """JSON's view of `value` (tuples and lists alike), for comparing snapshots."""
+    return json.loads(json.dumps(value))
 
 FOLD_KINDS = tuple(cls.kind for cls in _HANDLERS)

@@ -156,6 +156,28 @@ class SimModel:
     def synchronize(self) -> None:
         self._completed = self._launched
 
+    # --- durable checkpoints ---------------------------------------------------------------
+
+    def export_parts(self, held) -> dict:
+        def entries(blocks, n):
+            return [self.kv[blocks[p // self.block_size]][p % self.block_size] for p in range(n)]
+        r, conv = self.slots[held.slot]
+        hidden = self.hidden_slots[held.slot]
+        return {"attn": entries(held.attn_blocks, held.position),
+                "mtp": entries(held.mtp_blocks, held.mtp_kv),
+                "slot": [r, list(conv)],
+                "hidden": None if hidden is None else [hidden[0], hidden[1], list(hidden[2])]}
+
+    def import_parts(self, held, parts: dict) -> None:
+        self._launched += 1
+        for blocks, values in ((held.attn_blocks, parts["attn"]), (held.mtp_blocks, parts["mtp"])):
+            for p, value in enumerate(values):
+                self._write(blocks, p, value)
+        r, conv = parts["slot"]
+        self.slots[held.slot] = (r, tuple(conv))
+        h = parts["hidden"]
+        self.hidden_slots[held.slot] = None if h is None else (h[0], h[1], tuple(h[2]))
+
     # --- exactness ------------------------------------------------------------------------
 
     def read_parts(self, lane: Lane, position: int, mtp_kv: int) -> Parts:

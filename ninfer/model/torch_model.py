@@ -208,6 +208,49 @@ class TorchModel:
             for t in store.values():
                 t[dst, :n] = t[src, :n]
 
+    def _positions(self, store: dict[int, Tensor], blocks: list[int], n: int) -> dict:
+        """Entries [0, n) of each layer's block storage: [n, Hkv, D] copies."""
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        return {layer: t[idx].reshape(-1, *t.shape[2:])[:n].clone() for layer, t in store.items()}
+
+    def export_parts(self, held) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        for name, store, blocks, n in (
+                ("attn_k", self.kv_k, held.attn_blocks, held.position),
+                ("attn_v", self.kv_v, held.attn_blocks, held.position),
+                ("mtp_k", self.mtp_k, held.mtp_blocks, held.mtp_kv),
+                ("mtp_v", self.mtp_v, held.mtp_blocks, held.mtp_kv)):
+            if blocks:
+                for layer, t in self._positions(store, blocks, n).items():
+                    out[f"{name}.{layer}"] = t
+        for layer in self.conv:
+            out[f"conv.{layer}"] = self.conv[layer][held.slot].clone()
+            out[f"recurrent.{layer}"] = self.recurrent[layer][held.slot].clone()
+        if self.hidden_valid[held.slot]:
+            out["hidden"] = self.hidden[held.slot].clone()
+        return out
+
+    def import_parts(self, held, parts: dict[str, Tensor]) -> None:
+        self._launched += 1
+        bs = self.block_size
+        for name, store, blocks in (("attn_k", self.kv_k, held.attn_blocks),
+                                    ("attn_v", self.kv_v, held.attn_blocks),
+                                    ("mtp_k", self.mtp_k, held.mtp_blocks),
+                                    ("mtp_v", self.mtp_v, held.mtp_blocks)):
+            for layer, t in store.items():
+                src = parts.get(f"{name}.{layer}")
+                if src is None or not blocks:
+                    continue
+                padded = t.new_zeros((len(blocks) * bs, *t.shape[2:]))
+                padded[:src.shape[0]] = src.to(t.device, t.dtype)
+                t[torch.tensor(blocks, dtype=torch.long, device=self.device)] = padded.view(
+                    len(blocks), bs, *t.shape[2:])
+        for layer in self.conv:
+            self.conv[layer][held.slot] = parts[f"conv.{layer}"].to(self.device)
+            self.recurrent[layer][held.slot] = parts[f"recurrent.{layer}"].to(self.device)
+        self._set_hidden(held.slot, parts["hidden"].to(self.device) if "hidden" in parts
+                         else None)
+
     def fence(self) -> int:
         return self._launched
 

@@ -79,9 +79,17 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--journal", default=None,
                    help=f"event journal (SQLite) path (default {default_journal()})")
     p.add_argument("--journal-content", choices=["tokens", "hashes"], default="tokens",
-                   help="what the journal keeps of prompts: token ids and block hashes, or "
-                        "only the hashes (prefix matching needs only those; replaying a "
-                        "journal's requests needs the ids). Output ids are always kept")
+                   help="what the journal keeps of prompts and outputs: token ids and block "
+                        "hashes, or only the hashes and the number of tokens (prefix matching "
+                        "needs only those; `ninfer journal redrive` needs the ids)")
+    p.add_argument("--journal-max-mb", type=float, default=1024.0, metavar="MB",
+                   help="rotate the journal past this size: the file is renamed "
+                        "<name>.<first seq>-<last seq>.db and a new one opens with a snapshot "
+                        "of the store at the next seq (0: never rotate)")
+    p.add_argument("--persist-endpoints", default=None, metavar="DIR",
+                   help="write published checkpoints to DIR (safetensors, in the background) "
+                        "and restore them after a restart, so conversations resume with "
+                        "reuse; a damaged or mismatched file is dropped, never loaded")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accept this API key (repeatable; @PATH reads a file of keys, one a "
                         "line); each key is its own tenant. No key: the server is open")
@@ -114,7 +122,6 @@ class Loaded:
     thread: object
     tokenizer: object
     template: object
-    journal: object
     model_name: str
 
 
@@ -139,11 +146,17 @@ def load(args: argparse.Namespace) -> Loaded:
     path = Path(args.journal) if args.journal else default_journal()
     path.parent.mkdir(parents=True, exist_ok=True)
     journal = Journal.open(path, identity={"model": om.model.identity, "model_name": om.name,
-                                           "spec": args.spec, "dtype": args.dtype})
-    engine = Engine(om.model, config, blocks=om.blocks, slots=om.slots, journal=journal)
+                                           "spec": args.spec, "dtype": args.dtype},
+                           max_bytes=int(args.journal_max_mb * 2**20) or None)
+    files = None
+    if args.persist_endpoints:
+        from ..engine.durable import EndpointFiles
+        files = EndpointFiles(args.persist_endpoints)
+    engine = Engine(om.model, config, blocks=om.blocks, slots=om.slots, journal=journal,
+                    endpoint_files=files)
     engine.recover()
     thread = EngineThread(engine, step_delay=args.step_delay_ms / 1000).start()
-    return Loaded(thread, om.tokenizer, om.template, journal, om.name)
+    return Loaded(thread, om.tokenizer, om.template, om.name)
 
 
 def warm_up(server) -> None:
@@ -162,6 +175,23 @@ def warm_up(server) -> None:
                 engine.evict(endpoint_id, "warmup")
 
     server.thread.call(drop).result(60)
+
+
+def recall_history(server) -> int:
+    """After a restart, each conversation's latest endpoint (restored from disk) tells the
+    ids its next prompt is spliced onto: the in-memory history died with the process.
+    Returns how many conversations were recalled."""
+    def latest(engine) -> list:
+        return [(f.tenant, f.session, engine.held[f.checkpoint.id].tokens)
+                for f in (s.facts for s in engine.store.endpoints.values())
+                if f.kind == "private" and f.checkpoint.id in engine.held]
+
+    found = server.thread.call(latest).result(60)
+    for tenant, session, ids in found:
+        # a prefix that ends inside a character decodes with a replacement mark and then
+        # never matches a prompt's text: such a conversation is simply not spliced
+        server.history.remember(tenant, session, [(server.tokenizer.decode(ids), ids)])
+    return len(found)
 
 
 def settings_from(args: argparse.Namespace, model_name: str | None = None):
@@ -193,6 +223,9 @@ def build(args: argparse.Namespace):
             loaded.append(result)
             server.attach(result.thread, result.tokenizer, result.template)
             warm_up(server)
+            recalled = recall_history(server)
+            if recalled:
+                log.info("recalled %d conversations from durable endpoints", recalled)
             server.ready = True
             log.info("ready: %s on %s:%s", server.settings.model_id, args.host, args.port)
         except Exception:
@@ -207,7 +240,9 @@ def build(args: argparse.Namespace):
         loader.join(0)
         for item in loaded:
             item.thread.stop()
-            item.journal.close()
+            item.thread.engine.journal.close()  # the current file, after any rotation
+            if item.thread.engine.files is not None:
+                item.thread.engine.files.close()  # writes in flight land
 
     app.router.lifespan_context = lifespan
     return app, server

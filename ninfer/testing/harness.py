@@ -12,7 +12,7 @@ from ..engine.engine import Engine, EngineConfig, Submit, run_until_idle
 from ..engine.pools import BlockPool, SlotPool
 from ..lifecycle import salvage
 from ..lifecycle.checks import JournalChecker
-from ..lifecycle.journal import Journal
+from ..lifecycle.journal import Journal, chain
 from ..lifecycle.request import SamplingParams
 from ..lifecycle.store import ContinuationStore
 from ..model.sim import SimModel
@@ -25,14 +25,16 @@ SPEC_PREDICATE = salvage.materializable
 class Harness:
     def __init__(self, config: EngineConfig, *, num_blocks: int = 96, block_size: int = 4,
                  num_slots: int = 24, seed: int = 0, journal: Journal | None = None,
-                 oracle: bool = True, model_factory=None) -> None:
+                 oracle: bool = True, model_factory=None, files_dir=None) -> None:
         """`model_factory(num_blocks, block_size, num_slots)` builds the model (SimModel by
-        default); it is called again at a restart that loses tensors."""
+        default); it is called again at a restart that loses tensors. `files_dir`: durable
+        endpoints there (`EndpointFiles`), restored by a restart that loses tensors."""
+        self.files_dir = files_dir
         self.config, self.seed = config, seed
         self.model_factory = model_factory or (
             lambda nb, bs, ns: SimModel(num_blocks=nb, block_size=bs, num_slots=ns, seed=seed))
         self.sizes = (num_blocks, block_size, num_slots)
-        self.journal = journal if journal is not None else Journal.memory()
+        self._first_journal = journal if journal is not None else Journal.memory()
         self.oracle = oracle
         self.checker = JournalChecker()
         self.replica = ContinuationStore()
@@ -49,11 +51,21 @@ class Harness:
             blocks, slots, held = BlockPool(num_blocks, block_size), SlotPool(num_slots), None
         else:
             model, blocks, slots, held = kept
+        files = None
+        if self.files_dir is not None:
+            from ..engine.durable import EndpointFiles
+            files = EndpointFiles(self.files_dir)
         engine = Engine(model, config, blocks=blocks, slots=slots, journal=self.journal,
-                        held=held)
+                        held=held, endpoint_files=files)
         engine.log.listeners.append(self.checker.feed)
         engine.recover()
         return engine
+
+    @property
+    def journal(self) -> Journal:
+        """The journal file in use (the engine's: a rotation opens a new one)."""
+        engine = getattr(self, "engine", None)
+        return engine.journal if engine is not None else self._first_journal
 
     # --- driving -----------------------------------------------------------------------
 
@@ -89,10 +101,21 @@ class Harness:
         engine = self.engine
         self.past.update(engine.requests)
         held = engine.close_for_restart()
+        if engine.files is not None:
+            engine.files.close()  # the writes in flight land (a crash that cuts one: a test)
         kept = (engine.model, engine.blocks, engine.slots, held) if keep_tensors else None
         config = replace(self.config, spec=spec or self.config.spec)
         self.config = config
         self.engine = self._boot(kept, config)
+
+    def _unseen(self):
+        """Journal events the replica has not folded yet, from files rotated away too."""
+        start, current = self.replica.applied_seq + 1, self.journal
+        if current.path != ":memory:" and current.first_seq > start:
+            for path in chain(current.path)[:-1]:
+                with Journal.open(path) as old:
+                    yield from old.read(start)
+        yield from current.read(start)
 
     # --- invariants --------------------------------------------------------------------
 
@@ -100,7 +123,7 @@ class Harness:
         """Every invariant that is not already checked event by event."""
         engine = self.engine
         engine.check_integrity()                                         # 6
-        for event in self.journal.read(self.replica.applied_seq + 1):  # 5
+        for event in self._unseen():  # 5
             self.replica.apply(event)
         assert self.replica == engine.store, "replayed store differs from the live store"
         if self.oracle:                                                  # 1

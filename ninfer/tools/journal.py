@@ -97,6 +97,8 @@ def replay_summary(src: Source) -> dict:
         k = e.kind
         if k == "RequestQueued":
             queued += 1
+        elif k == "StoreSnapshotted" and not queued and not outcomes:
+            queued += len(e.requests)  # a rotated file: requests carried over, still open
         elif k == "RequestFinished":
             outcomes["finished"] += 1
         elif k == "RequestCancelled":
@@ -150,7 +152,7 @@ def describe(e: ev.Event) -> str:
         first = f" first_token={e.first_token}" if k == "PrefillCompleted" else ""
         return f"cursor={e.cursor}{first}"
     if k == "TokensCommitted":
-        return f"tokens={len(e.tokens)} frontier={e.frontier} drafted={e.drafted} " \
+        return f"tokens={e.committed} frontier={e.frontier} drafted={e.drafted} " \
                f"accepted={e.accepted}"
     if k == "CheckpointCaptured":
         return f"checkpoint={e.checkpoint.id} @{e.checkpoint.position}"
@@ -195,13 +197,18 @@ def stats(src: Source) -> dict:
         if k == "RequestQueued":
             requests += 1
             queued_at[e.request], prompt[e.request] = e.time, e.prompt_len
+        elif k == "StoreSnapshotted":  # a rotated file: carried requests' lengths so far
+            for rid, r in e.requests.items():
+                prompt.setdefault(rid, r["prompt_len"])
+                outputs[rid] += r["outputs"] if rid not in queued_at else 0
         elif k == "RequestStarted":
             ratios.append(e.reuse_base / (prompt[e.request] + outputs[e.request]))
         elif k == "TokensCommitted":
             drafted, accepted = drafted + e.drafted, accepted + e.accepted
-            committed += len(e.tokens)
-            outputs[e.request] += len(e.tokens)
-            ttft.setdefault(e.request, e.time - queued_at[e.request])
+            committed += e.committed
+            outputs[e.request] += e.committed
+            if e.request in queued_at:  # not for requests queued in an earlier file
+                ttft.setdefault(e.request, e.time - queued_at[e.request])
         elif k == "RequestCancelled":
             cancels[e.at_state] += 1
     span = (last - first) if first is not None else 0.0

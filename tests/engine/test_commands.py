@@ -2,6 +2,7 @@
 its state for the next turn), unlike a cancel; neither touches a request that has ended."""
 
 from ninfer.engine.engine import EngineConfig
+from ninfer.lifecycle.checks import JournalChecker
 from ninfer.testing.harness import Harness
 
 PROMPT = tuple(range(1, 30))
@@ -63,7 +64,12 @@ def test_a_hashes_only_journal_keeps_no_token_ids_and_reuse_still_works():
     h.check()
     assert h.request(second).plan.reuse_base == len(PROMPT) + 3  # matched on hashes alone
     for e in h.journal.read():
-        assert getattr(e, "tokens", None) is None or e.kind == "TokensCommitted"
+        assert getattr(e, "tokens", None) is None
+        if e.kind == "TokensCommitted":
+            assert e.count >= 1 and e.logprobs is None
         facts = getattr(getattr(e, "endpoint", None), "checkpoint", None) or getattr(
             e, "checkpoint", None)
         assert facts is None or isinstance(facts, str) or facts.tokens is None
+    # the journal alone still checks: outputs are counted without their ids
+    checker = JournalChecker().feed_all(h.journal.read())
+    assert checker.requests[second].outputs == len(h.request(second).outputs)

@@ -29,7 +29,21 @@ SAMPLES = [
     ev.EndpointEvicted(endpoint="e", reason="capacity"),
     ev.EndpointLost(endpoint="e", reason="tensors did not survive"),
     ev.ServerStarted(mode=MTP, max_concurrency=2, max_endpoints=8, options={"a": 1}),
+    ev.TokensCommitted(tokens=None, frontier=15, count=3),
+    ev.StoreSnapshotted(previous="journal.1-9.db",
+                        store={"mode": dataclasses.asdict(MTP), "max_endpoints": 8,
+                               "endpoints": []},
+                        requests={"r1": {"tenant": "t", "session": None, "outputs": 2}},
+                        max_concurrency=2),
 ]
+
+
+def test_without_token_ids_keeps_the_count_and_nothing_else_changes():
+    commit = ev.TokensCommitted(tokens=(4, 5), frontier=9, logprobs=({"token": 4},))
+    bare = ev.without_token_ids(commit)
+    assert (bare.tokens, bare.logprobs, bare.count, bare.committed) == (None, None, 2, 2)
+    assert bare.frontier == 9 and commit.committed == 2
+    assert ev.without_token_ids(SAMPLES[0]) is SAMPLES[0]
 
 
 def test_samples_cover_every_kind():

@@ -141,3 +141,20 @@ def test_seeded_sampling_is_reproducible_and_drafting_keeps_it_valid(spec):
         assert h.request(run).state == "Finished" and len(outs[run]) == 12
     assert outs["a"] == outs["b"], "the same seed gives the same tokens"
     assert outs["a"] != outs["c"], "another seed gives others"
+
+
+@pytest.mark.parametrize("spec", ["none", "mtp"])
+def test_durable_endpoints_restore_the_torch_models_parts_exactly(spec, tmp_path):
+    """Written to disk, read back into a fresh model's pools after a restart: every part
+    equals a recomputation (check_reuse) and the next turn equals a Root run."""
+    h = Harness(EngineConfig(spec=spec, prefill_chunk=6, check_reuse=True),
+                model_factory=torch_factory, files_dir=tmp_path)
+    first = _run(h, PROMPT)
+    h.restart(keep_tensors=False)
+    assert not [e for e in h.journal.read() if e.kind == "EndpointLost"]
+    turn2 = PROMPT + tuple(first.outputs) + (5, 6, 7)
+    second = _run(h, turn2)
+    assert (second.plan.kind, second.plan.reuse_base) == ("PrivateEndpoint", len(PROMPT) + 7)
+    ref, gaps = reference(turn2, 8)
+    assert agree_until_tie(second.outputs, ref, gaps)
+    h.engine.files.close()

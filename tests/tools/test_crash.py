@@ -21,12 +21,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(tmp_path, port):
+def _serve(tmp_path, port, *extra):
     env = {**os.environ, "NINFER_HOME": str(tmp_path / "home")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "ninfer.cli", "serve", "--port", str(port), "--spec", "mtp",
          "--journal", str(tmp_path / "journal.db"), "--prefill-chunk", "48",
-         "--step-delay-ms", "20", "--torch-threads", "1", "--log-level", "WARNING"],
+         "--step-delay-ms", "20", "--torch-threads", "1", "--log-level", "WARNING", *extra],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -80,3 +80,39 @@ def test_sigkill_mid_stream_then_restart(tmp_path, capsys):
     assert any(e["data"]["failure"] == "interrupted" for e in failed)
     assert any(e["kind"] == "EndpointLost" for e in events)
     assert sum(e["kind"] == "ServerStarted" for e in events) == 2
+
+
+def test_sigkill_then_restart_resumes_with_reuse_from_durable_endpoints(tmp_path):
+    port, folder = _free_port(), tmp_path / "endpoints"
+    proc = _serve(tmp_path, port, "--persist-endpoints", str(folder))
+    turn = [{"role": "user", "content": "Remember the number forty-two, please."}]
+    body = _chat(port, turn[0]["content"])
+    body["json"]["reasoning_effort"] = "none"  # the reply is content, sent back as it is
+    try:
+        first = httpx.post(timeout=60, **body)
+        assert first.status_code == 200
+        deadline = time.monotonic() + 30  # written in the background: wait for the file
+        while not list(folder.glob("*.safetensors")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list(folder.glob("*.safetensors"))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    proc = _serve(tmp_path, port, "--persist-endpoints", str(folder))
+    try:
+        reply = first.json()["choices"][0]["message"]["content"]
+        assert reply
+        body["json"]["messages"] = turn + [{"role": "assistant", "content": reply},
+                                           {"role": "user", "content": "Which number?"}]
+        second = httpx.post(timeout=60, **body)
+        assert second.status_code == 200
+        # everything the first turn computed, its prompt and output but the last token
+        usage = first.json()["usage"]
+        assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == (
+            usage["prompt_tokens"] + usage["completion_tokens"] - 1)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert journal_main(["journal", "check", str(tmp_path / "journal.db")]) == 0
