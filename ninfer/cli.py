@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from .bench.serve import add_bench_parser as add_bench_serve_parser
@@ -120,7 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # `ninfer journal show ... | head`: the reader left, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -108,6 +108,8 @@ class Engine:
         self.live: dict[str, Live] = {}
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.draft_hook: Callable[[Request], bool] | None = None
+        # how a request's tokens are chosen; `journal redrive` forces the recorded ones
+        self.choose: Callable[[Request], Choice] = lambda r: make_choice(r.params, r.outputs)
         self._cp_ids = itertools.count(1)
         self._ids: set[str] = set()
         self._ids_lock = threading.Lock()
@@ -152,7 +154,9 @@ class Engine:
                       max_endpoints=self.config.max_endpoints,
                       options={"prefill_chunk": self.config.prefill_chunk,
                                "draft_tokens": self.config.draft_tokens,
-                               "block_size": self.blocks.block_size})
+                               "block_size": self.blocks.block_size,
+                               "auto_anchors": self.config.auto_anchors,
+                               "max_context": self.config.max_context})
         self._reconcile()
         self._commit()
 
@@ -317,7 +321,7 @@ class Engine:
         if self.slots.free == 0 and not self._evict_one():
             return False
         live = Live(request, self.runner.new_lane(), AdaptiveDraft(self.config.draft_tokens),
-                    make_choice(request.params, request.outputs))
+                    self.choose(request))
 
         def usable(endpoint: EndpointFacts) -> str | None:
             held = self.held.get(endpoint.checkpoint.id)

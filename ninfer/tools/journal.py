@@ -1,4 +1,5 @@
-"""`ninfer journal replay | check | show | stats | export`: read a journal, never write it.
+"""`ninfer journal replay | check | show | stats | export | redrive`: read a journal, never
+write it.
 
 The file is opened read-only (SQLite `mode=ro`); rows are decoded with `events.from_row`.
 Exit status: 0 fine, 1 an invariant violation (check, replay) or nothing to show, 2 a journal
@@ -50,6 +51,10 @@ class Source:
             raise JournalError(f"journal {path}: {e}") from e
         if "events" not in tables or meta.get("application") != '"ninfer"':
             raise JournalError(f"journal {path}: foreign schema (tables {sorted(tables)})")
+        try:
+            self.meta = {k: json.loads(v) for k, v in meta.items()}
+        except (TypeError, ValueError) as e:
+            raise JournalError(f"journal {path}: damaged meta table: {e}") from None
         if int(json.loads(meta.get("schema_version", "0"))) > SCHEMA_VERSION:
             raise JournalError(f"journal {path}: written by a newer ninfer")
 
@@ -316,6 +321,72 @@ def _export(args: argparse.Namespace, src: Source) -> int:
     return 0
 
 
+def _redrive(args: argparse.Namespace, src: Source) -> int:
+    from .redrive import Recording, Redrive, RedriveError, read_recording
+    try:
+        recording: Recording = read_recording(src.events(progress=True), src.meta)
+    except RedriveError as e:
+        print(f"ninfer journal redrive: {src.path}: {e}", file=sys.stderr)
+        return 2
+    factory = None
+    if args.model:
+        factory = _recorded_model(args.model, src.meta)
+        if isinstance(factory, str):
+            print(f"ninfer journal redrive: {factory}", file=sys.stderr)
+            return 2
+    with tqdm(total=len(recording.actions), unit="req", file=sys.stderr, leave=False,
+              disable=len(recording.actions) < 50 or args.json) as bar:
+        out = Redrive(recording, factory, lambda n: bar.update(n - bar.n),
+                      kv_positions=args.kv_capacity).run()
+    agreed, forced = out.agreement
+    doc = {"same": out.same, "requests": out.compared, "differing": len(out.differences),
+           "model": out.model, "events": out.events, "violations": out.violations,
+           "stalls": out.stalls, "differences": out.differences}
+    if args.model:
+        doc["greedy_agreement"] = {"agreed": agreed, "tokens": forced}
+    if args.json:
+        _dump(doc)
+        return 0 if out.same else 1
+    print(f"redrove {out.compared} requests through today's code on {out.model} "
+          f"({out.events} events)")
+    if args.model and forced:
+        print(f"the model's greedy choice agreed with the recorded token {agreed} of {forced} "
+              f"times ({agreed / forced:.1%})")
+    for v in out.violations:
+        print(f"VIOLATION in the redriven run: {v}")
+    for s in out.stalls:
+        print(f"STALL: {s}")
+    if not out.differences:
+        print("every plan, publication, refusal and outcome is as recorded")
+    for d in out.differences:
+        print(f"request {d['request']} (conversation {d['conversation']}): "
+              f"{', '.join(d['fields'])} differ")
+        for k in d["fields"]:
+            print(f"  {k:<10} recorded {d['recorded'][k]}")
+            print(f"  {'':<10} today    {d['redriven'][k]}")
+    return 0 if out.same else 1
+
+
+def _recorded_model(path: str, meta: dict):
+    """A factory of the model the journal names, or a message saying why not."""
+    from ..model.loader import LoadError
+    from ..model.runtime import open_model
+    try:
+        probe = open_model(path, dtype=meta.get("dtype", "float32"), kv_capacity=16,
+                           num_slots=1)
+    except (LoadError, OSError) as e:
+        return f"cannot load {path}: {e}"
+    if meta.get("model") and probe.model.identity != meta["model"]:
+        return (f"the journal was written by model {meta['model']}, {path} is "
+                f"{probe.model.identity}")
+
+    def factory(num_blocks: int, block_size: int, num_slots: int):
+        return open_model(path, dtype=meta.get("dtype", "float32"),
+                          kv_capacity=num_blocks * block_size, block_size=block_size,
+                          num_slots=num_slots).model
+    return factory
+
+
 def _dump(doc) -> int:
     print(json.dumps(doc, indent=2))
     return 0
@@ -347,6 +418,10 @@ def add_journal_parser(subparsers) -> argparse.ArgumentParser:
          "cancellations by state"),
         ("export", _export, "one JSON object per event (seq, time, request, conversation, kind, "
          "data)"),
+        ("redrive", _redrive, "re-run the recorded requests (arrivals, cuts, stop strings, "
+         "evictions, restarts) through today's code, each committing its recorded tokens, and "
+         "report every plan, publication, refusal or outcome that differs; exit 1 if any does. "
+         "SimModel unless --model names the journal's model. Needs a journal with token ids"),
     ]
     for name, command, text in specs:
         p = sub.add_parser(name, help=text, description=text)
@@ -359,6 +434,12 @@ def add_journal_parser(subparsers) -> argparse.ArgumentParser:
             which = p.add_mutually_exclusive_group(required=True)
             which.add_argument("--request", help="a request id")
             which.add_argument("--conversation", help="a conversation (session) key")
+        if name == "redrive":
+            p.add_argument("--model", default=None,
+                           help="the model directory or .ninfer file the journal names (its "
+                                "identity is checked); default: SimModel")
+            p.add_argument("--kv-capacity", type=int, default=131_072,
+                           help="KV positions of the redriven engine's pool (default 131072)")
         if name == "export":
             p.add_argument("--jsonl", action="store_true",
                            help="JSON lines, one event a line (the default)")
