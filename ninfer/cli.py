@@ -22,6 +22,11 @@ def _bench(args: argparse.Namespace) -> int:
     return bench_lifecycle(events=args.events, requests=args.requests, json_path=args.json)
 
 
+def _bench_journal(args: argparse.Namespace) -> int:
+    from .bench.journal import main as bench_journal
+    return bench_journal(events=args.events, json_path=args.json)
+
+
 def _bench_engine(args: argparse.Namespace) -> int:
     from .bench.engine import main as bench_engine
     return bench_engine(model=args.model, device=args.device, dtype=args.dtype,
@@ -113,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="short prompts only (a smoke run, not the reported figures)")
     engine.add_argument("--json", default=None, help="also write the results to this file")
     engine.set_defaults(func=_bench_engine)
+    journal_bench = bench_sub.add_parser(
+        "journal", help="journal replay and check rates, and the cost of recovery at "
+                        "start-up, on a large journal (against a raw read of its rows)")
+    journal_bench.add_argument("--events", type=int, default=1_000_000,
+                               help="events in the journal (default 1,000,000)")
+    journal_bench.add_argument("--json", default=None, help="also write the results here")
+    journal_bench.set_defaults(func=_bench_journal)
     add_bench_serve_parser(bench_sub)
     return parser
 

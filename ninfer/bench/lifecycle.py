@@ -10,7 +10,6 @@ publication supersedes its session's previous endpoint and the store stays small
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from ..lifecycle.planner import Plan
 from ..lifecycle.request import Request
 from ..lifecycle.salvage import Candidate
 from ..lifecycle.store import ContinuationStore
+from .report import report
 
 MODE = Mode("none", "sim", "int")
 PROMPT = tuple(range(1000, 1064))
@@ -118,12 +118,10 @@ def bench_fold(mix: list[ev.Event]) -> dict[str, float]:
     return {"fold_events_per_s": len(mix) / (time.perf_counter() - t0)}
 
 
-def bench_replay(events: int, tmp: Path) -> dict[str, float]:
-    """Figure 3: build a journal of `events` events (appended BUILD_BATCH per transaction),
-    reopen it, and time a restart's replay: `ContinuationStore.from_journal` (the fold reads
-    only the kinds it folds), reported per journal event. Also every event decoded (what
-    `journal check` reads), as a second row."""
-    path, now, i = tmp / "replay.db", time.time(), -1
+def build_journal(path: Path, events: int) -> int:
+    """A journal of `events` events of the mix at `path` (BUILD_BATCH per transaction), with
+    a progress bar; returns how many it holds."""
+    now, i = time.time(), -1
     with Journal.open(path) as journal, tqdm(total=events, unit="ev", unit_scale=True,
                                              desc="building journal", file=sys.stderr,
                                              leave=False) as bar:
@@ -136,7 +134,15 @@ def bench_replay(events: int, tmp: Path) -> dict[str, float]:
                 journal.append(batch[:events - journal.last_seq])
                 bar.update(journal.last_seq - before)
                 batch = []
-        built = journal.last_seq
+        return journal.last_seq
+
+
+def bench_replay(events: int, tmp: Path) -> dict[str, float]:
+    """Figure 3: build a journal of `events` events, reopen it, and time a restart's
+    replay: `ContinuationStore.from_journal` (the fold reads only the kinds it folds),
+    reported per journal event. Also every event decoded, as a second row."""
+    path = tmp / "replay.db"
+    built = build_journal(path, events)
     with Journal.open(path) as journal:
         t0 = time.perf_counter()
         store = ContinuationStore.from_journal(journal)
@@ -227,18 +233,6 @@ def main(events: int = 1_000_000, requests: int = 20_000, json_path: str | None 
         results |= bench_replay(events, Path(tmp))
         results |= bench_requests(requests, Path(tmp))
         results |= bench_engine(min(requests, 2_000), Path(tmp))
-    targets = {key: {op: bound, "met": (results[key] >= bound if op == ">="
-                                        else results[key] <= bound)}
-               for key, (op, bound) in TARGETS.items()}
-    print(f"{'figure':<40} {'value':>12}  {'unit':<10} {'target':>12}  ok")
-    for key, label, unit, fmt in ROWS:
-        op, bound = TARGETS.get(key, ("", None))
-        met = "" if bound is None else "yes" if targets[key]["met"] else "MISS"
-        target = "" if bound is None else f"{op} {bound:,}"
-        print(f"{label:<40} {results[key]:>12{fmt}}  {unit:<10} {target:>12}  {met}")
-    print(f"(replayed journal: {results['replay_events']:,} events)")
-    line = json.dumps({"bench": "lifecycle", "results": results, "targets": targets})
-    print(line)
-    if json_path:
-        Path(json_path).write_text(line + "\n")
+    report("lifecycle", results, ROWS, TARGETS, json_path,
+           note=f"(replayed journal: {results['replay_events']:,} events)")
     return 0

@@ -267,12 +267,6 @@ def _as_dict(obj: Any, nested: frozenset[str]) -> dict[str, Any]:
 
 
 @functools.cache
-def _converters(cls: type[Event]) -> tuple[tuple[str, Any], ...]:
-    hints = typing.get_type_hints(cls)
-    return tuple((n, c) for n in _field_names(cls) if (c := _converter(hints[n])) is not None)
-
-
-@functools.cache
 def _builder(tp: type):
     return _converter(tp)
 
@@ -296,16 +290,64 @@ def to_row(ev: Event) -> tuple:
     return (ev.seq, ev.time, ev.request, ev.conversation, ev.kind, to_json(ev))
 
 
+_SCAN = json.JSONDecoder().scan_once  # the C scanner, without loads' layers around it
+_ABSENT = object()
+
+
+@functools.cache
+def _builder_of(cls: type[Event]):
+    """`build(seq, time, request, conversation, payload)` for `cls`, generated (as
+    dataclasses generates __init__) to fill the slots straight from a decoded payload: the
+    journal tools decode millions of events. It pops what it reads from the payload."""
+    hints = typing.get_type_hints(cls)
+    env: dict[str, Any] = {"_new": object.__new__, "_cls": cls, "_ABSENT": _ABSENT,
+                           "_lacks": _lacks, "_extra": _extra}
+    lines = ["def build(seq, time, request, conversation, p):", "    o = _new(_cls)"]
+    for name in Event.ENVELOPE:
+        env[f"_s_{name}"] = getattr(cls, name).__set__
+        lines.append(f"    _s_{name}(o, {name})")
+    for f in dataclasses.fields(cls):
+        n = f.name
+        if n in Event.ENVELOPE:
+            continue
+        env[f"_s_{n}"], conv = getattr(cls, n).__set__, _converter(hints[n])
+        got = f"_c_{n}(v)" if conv is not None else "v"
+        env[f"_c_{n}"] = conv
+        if f.default_factory is not dataclasses.MISSING:
+            env[f"_d_{n}"] = f.default_factory
+            absent = f"_d_{n}()"
+        elif f.default is not dataclasses.MISSING:
+            env[f"_d_{n}"] = f.default
+            absent = f"_d_{n}"
+        else:
+            absent = f"_lacks({cls.kind!r}, {n!r})"
+        lines += [f"    v = p.pop({n!r}, _ABSENT)",
+                  f"    _s_{n}(o, {absent} if v is _ABSENT else {got})"]
+    lines += ["    if p:", f"        _extra({cls.kind!r}, p)", "    return o"]
+    exec("\n".join(lines), env)  # noqa: S102 - code generated from the dataclass fields
+    return env["build"]
+
+
+def _lacks(kind: str, name: str):
+    raise TypeError(f"{kind} payload lacks {name!r}")
+
+
+def _extra(kind: str, payload: dict):
+    raise TypeError(f"{kind} payload has unknown fields {sorted(payload)}")
+
+
 def from_row(seq: int, time: float, request: str | None, conversation: str | None,
              kind: str, data: str) -> Event:
     cls = EVENT_TYPES.get(kind)
     if cls is None:
         raise UnknownEventKind(f"unknown event kind {kind!r} at seq {seq}")
-    payload = json.loads(data)
-    for name, conv in _converters(cls):
-        if name in payload:
-            payload[name] = conv(payload[name])
-    return cls(seq=seq, time=time, request=request, conversation=conversation, **payload)
+    try:
+        payload, end = _SCAN(data, 0)
+    except StopIteration:
+        raise ValueError("payload is not JSON") from None
+    if end != len(data) or type(payload) is not dict:
+        raise ValueError("payload is not one JSON object")
+    return _builder_of(cls)(seq, time, request, conversation, payload)
 
 
 def with_envelope(ev: Event, seq: int, time: float) -> Event:

@@ -26,6 +26,15 @@ from ..lifecycle.store import ContinuationStore, InvariantViolation
 PROGRESS_MIN = 100_000   # show a progress bar above this many events
 LEAD_UP = 8              # events of the request printed before a violation
 _COLS = "seq, time, request, conversation, kind, data"
+# the consumers that judge invariants need no token ids: SQLite drops them before Python
+# parses the JSON (prompt ids, checkpoint ids: most of a journal's bytes)
+_LEAN_DROP = {"RequestQueued": "'$.tokens', NULL, '$.block_hashes', json('[]')",
+              "EndpointPublished": "'$.endpoint.checkpoint.tokens', NULL",
+              "CheckpointCaptured": "'$.checkpoint.tokens', NULL"}
+# (a payload that is not JSON goes to Python as it is, which names the seq it is at)
+_LEAN_COLS = "seq, time, request, conversation, kind, CASE kind " + " ".join(
+    f"WHEN '{k}' THEN CASE WHEN json_valid(data) THEN json_replace(data, {drop}) ELSE data END"
+    for k, drop in _LEAN_DROP.items()) + " ELSE data END"
 
 
 class Source:
@@ -59,12 +68,14 @@ class Source:
             raise JournalError(f"journal {path}: written by a newer ninfer")
 
     def rows(self, where: str = "", params: tuple = (), order: str = "ORDER BY seq",
-             progress: bool = False):
+             progress: bool = False, lean: bool = False):
+        """Rows in seq order; `lean`: without token ids (prompts' and checkpoints')."""
         total = self.count if progress else 0
         bar = tqdm(total=total, disable=total <= PROGRESS_MIN, file=sys.stderr, unit="ev",
                    leave=False)
+        cols = _LEAN_COLS if lean else _COLS
         try:
-            cur = self.conn.execute(f"SELECT {_COLS} FROM events {where} {order}", params)
+            cur = self.conn.execute(f"SELECT {cols} FROM events {where} {order}", params)
             while batch := cur.fetchmany(4096):
                 yield from batch
                 bar.update(len(batch))
@@ -96,9 +107,15 @@ def export_dict(row: tuple) -> dict:
 
 
 def replay_summary(src: Source) -> dict:
+    """One pass: the fold, and counts of what happened. InvariantViolation where the fold
+    cannot go on (a gap in seq among them)."""
     outcomes, plans, published, refused, evicted, lost = (Counter() for _ in range(6))
     queued = 0
-    for e in src.events(progress=True):
+    store = ContinuationStore()
+    for e in src.events(progress=True, lean=True):
+        if store.applied_seq and e.seq != store.applied_seq + 1:
+            raise InvariantViolation(4, e.seq, f"seq gap after {store.applied_seq}", e.request)
+        store.apply(e)
         k = e.kind
         if k == "RequestQueued":
             queued += 1
@@ -119,7 +136,6 @@ def replay_summary(src: Source) -> dict:
         elif k in ("EndpointEvicted", "EndpointLost"):
             (evicted if k == "EndpointEvicted" else lost)[e.reason] += 1
     outcomes["open"] = queued - sum(outcomes.values())
-    store = ContinuationStore.from_journal(src)
     held = Counter(s.facts.kind for s in store.endpoints.values())
     return {"events": src.count, "requests": queued, "outcomes": dict(outcomes),
             "plans": dict(plans), "published": dict(published), "refused": dict(refused),
@@ -128,12 +144,14 @@ def replay_summary(src: Source) -> dict:
                       "max_endpoints": store.max_endpoints, "applied_seq": store.applied_seq}}
 
 
-def check(src: Source) -> tuple[JournalChecker, InvariantViolation | None]:
+def check(src: Source) -> tuple[JournalChecker, InvariantViolation | JournalError | None]:
+    """Feed every event to the checker; stop at the first violation, or at an event that
+    cannot be read (what was verified before it stands)."""
     checker = JournalChecker()
     try:
-        for e in src.events(progress=True):
+        for e in src.events(progress=True, lean=True):
             checker.feed(e)
-    except InvariantViolation as v:
+    except (InvariantViolation, JournalError) as v:
         return checker, v
     return checker, None
 
@@ -176,7 +194,7 @@ def timeline(src: Source, request: str | None, conversation: str | None) -> list
     where, params = ("WHERE request = ?", (request,)) if request is not None \
         else ("WHERE conversation = ?", (conversation,))
     out, t0 = [], None
-    for e in src.events(where, params, progress=True):
+    for e in src.events(where, params, progress=True, lean=True):
         t0 = e.time if t0 is None else t0
         out.append({"seq": e.seq, "offset": e.time - t0, "request": e.request, "kind": e.kind,
                     "detail": describe(e), "terminal": e.kind in ev.TERMINAL_KINDS})
@@ -196,7 +214,7 @@ def stats(src: Source) -> dict:
     queued_at, prompt, outputs, ttft, ratios = {}, {}, Counter(), {}, []
     drafted = accepted = committed = requests = 0
     cancels = Counter()
-    for e in src.events(progress=True):
+    for e in src.events(progress=True, lean=True):
         first = e.time if first is None else first
         last, k = e.time, e.kind
         if k == "RequestQueued":
@@ -266,6 +284,16 @@ def _check(args: argparse.Namespace, src: Source) -> int:
         print(f"{checker.events} events, {len(checker.requests)} requests: every "
               "journal-checkable invariant holds")
         return 0
+    if isinstance(v, JournalError):  # unreadable from here on: say what did check out
+        doc = {"ok": False, "error": str(v), "verified_events": checker.events,
+               "verified_up_to_seq": checker.last_seq}
+        if args.json:
+            _dump(doc)
+        else:
+            print(f"ninfer journal check: {v}", file=sys.stderr)
+            print(f"{checker.events} events (up to seq {checker.last_seq}) were read and every "
+                  "journal-checkable invariant held up to there", file=sys.stderr)
+        return 2
     before = lead_up(src, v)
     doc = {"ok": False, "invariant": v.invariant, "seq": v.seq, "request": v.request,
            "message": str(v), "verified_events": checker.events - 1, "lead_up": before}

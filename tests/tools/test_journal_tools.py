@@ -216,3 +216,60 @@ def test_a_progress_bar_on_stderr_above_the_threshold(journal, capsys, monkeypat
     assert rc == 0 and "ev" in err and "holds" in out
     monkeypatch.setattr(tools, "PROGRESS_MIN", 100_000)
     assert run(capsys, "check", journal)[2] == ""
+
+
+def _copy_with(journal, tmp_path, sql: str, *params) -> str:
+    bad = tmp_path / "bad.db"
+    bad.write_bytes(open(journal, "rb").read())
+    conn = sqlite3.connect(bad)
+    conn.execute("DROP TRIGGER events_refuse_update")
+    conn.execute("DROP TRIGGER events_refuse_delete")
+    conn.execute(sql, params)
+    conn.commit()
+    conn.close()
+    return str(bad)
+
+
+def test_a_gap_in_seq_is_named_by_check_and_replay(journal, tmp_path, capsys):
+    bad = _copy_with(journal, tmp_path, "DELETE FROM events WHERE seq = 7")
+    rc, doc = run_json(capsys, "check", bad)
+    assert rc == 1 and doc["invariant"] == 4 and doc["seq"] == 8
+    rc, out, err = run(capsys, "replay", bad)
+    assert rc == 1 and "seq gap after 6" in err and "Traceback" not in err
+
+
+def test_check_says_how_far_it_verified_before_an_unreadable_event(journal, tmp_path, capsys):
+    bad = _copy_with(journal, tmp_path, "UPDATE events SET data = '{\"cursor\": ' WHERE seq = 12")
+    rc, out, err = run(capsys, "check", bad)
+    assert rc == 2 and "undecodable" in err and "seq 12" in err
+    assert "11 events (up to seq 11) were read" in err and "Traceback" not in err
+    rc, doc = run_json(capsys, "check", bad)
+    assert rc == 2 and doc["verified_up_to_seq"] == 11 and not doc["ok"]
+    for command in ("replay", "stats"):
+        rc, _, err = run(capsys, command, bad)
+        assert rc == 2 and "seq 12" in err and "Traceback" not in err
+
+
+def test_a_newer_schema_is_refused_by_name(journal, tmp_path, capsys):
+    bad = _copy_with(journal, tmp_path,
+                     "UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+    for command in ("check", "replay", "stats", "export", "redrive"):
+        rc, _, err = run(capsys, command, bad)
+        assert rc == 2 and "newer ninfer" in err, command
+
+
+def test_lean_reading_leaves_token_ids_out_and_nothing_else(journal):
+    from ninfer.tools.journal import Source
+    src = Source(journal)
+    full, lean = list(src.events()), list(src.events(lean=True))
+    assert len(full) == len(lean)
+    for a, b in zip(full, lean, strict=True):
+        if a.kind == "RequestQueued":
+            assert b.tokens is None and a.tokens and a.prompt_len == b.prompt_len
+        elif a.kind in ("EndpointPublished", "CheckpointCaptured"):
+            fa = a.endpoint.checkpoint if a.kind == "EndpointPublished" else a.checkpoint
+            fb = b.endpoint.checkpoint if b.kind == "EndpointPublished" else b.checkpoint
+            assert fb.tokens is None and fa.tokens
+            assert dataclasses.replace(fa, tokens=None) == fb
+        else:
+            assert a == b
