@@ -1,4 +1,10 @@
-"""Compute kernels: torch references (always available) beside any device kernels."""
+"""Compute kernels: torch references (always available) beside the Triton kernels that run
+them on a GPU (`device_kernels()`, imported on first use)."""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
 
 from .gdn_reference import (
     causal_conv1d_update,
@@ -6,4 +12,33 @@ from .gdn_reference import (
     recurrent_gated_delta_rule,
 )
 
-__all__ = ["causal_conv1d_update", "chunk_gated_delta_rule", "recurrent_gated_delta_rule"]
+
+@functools.cache
+def device_kernels() -> SimpleNamespace | None:
+    """The Triton kernels (conv, chunk, step, attention), or None where Triton is missing.
+    Callers use them for CUDA tensors only (on the CPU they run only in the interpreter)."""
+    try:
+        from .conv1d import causal_conv1d_update as conv
+        from .gdn_chunk import chunk_gated_delta_rule as chunk
+        from .gdn_decode import fused_recurrent_gated_delta_rule as step
+        from .paged_attention import paged_attention_decode as attention
+    except ImportError:
+        return None
+    return SimpleNamespace(conv=conv, chunk=chunk, step=step, attention=attention)
+
+
+# Tests set this (with TRITON_INTERPRET=1) to run the model's kernel paths on CPU tensors
+INTERPRET_ON_CPU = False
+_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def kernels_for(x) -> SimpleNamespace | None:
+    """The Triton kernels for tensor `x`: on a GPU (or on the CPU in the interpreter, when
+    INTERPRET_ON_CPU), in a dtype they take; None means the torch references."""
+    if not (x.is_cuda or INTERPRET_ON_CPU) or str(x.dtype).removeprefix("torch.") not in _DTYPES:
+        return None
+    return device_kernels()
+
+
+__all__ = ["causal_conv1d_update", "chunk_gated_delta_rule", "device_kernels", "kernels_for",
+           "recurrent_gated_delta_rule"]

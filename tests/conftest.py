@@ -8,7 +8,9 @@ import tempfile
 os.environ.setdefault("NINFER_HOME", os.path.join(tempfile.gettempdir(), "ninfer-test-home"))
 # Triton kernels run on the CPU only in its interpreter, chosen when a kernel is decorated:
 # set before any kernel module is imported (a machine with a GPU runs them for real)
-if not os.path.exists("/dev/nvidia0"):
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from hypothesis import HealthCheck, settings

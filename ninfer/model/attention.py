@@ -98,6 +98,17 @@ class GatedAttention(nn.Module):
         k = apply_rope(self.k_norm(k), cos, sin)
 
         kv.write(layer, positions, k, v)
+        attend = getattr(kv, "attend", None)  # a store that attends on the device itself
+        out = attend(layer, q, positions) if attend is not None else None
+        if out is None:
+            out = self._attend(x, q, positions, kv, layer)
+        out = out * torch.sigmoid(gate)
+        return self.o_proj(out.reshape(B, T, H * D))
+
+    def _attend(self, x: Tensor, q: Tensor, positions: Tensor, kv: KVStore,
+                layer: int) -> Tensor:
+        """SDPA over K, V [0, max position] read from `kv`: [B, T, H, D] in x's dtype."""
+        B, T, H, D = q.shape
         length = int(positions.max()) + 1
         keys, values = kv.read(layer, length)  # [B, L, Hkv, D]
         wide = compute_dtype(x)
@@ -109,7 +120,5 @@ class GatedAttention(nn.Module):
             key_pos = torch.arange(length, device=x.device)
             mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, L]
         out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, is_causal=causal,
-                                             scale=D ** -0.5, enable_gqa=H != Hkv)
-        out = out.transpose(1, 2).to(x.dtype)  # [B, T, H, D]
-        out = out * torch.sigmoid(gate)
-        return self.o_proj(out.reshape(B, T, H * D))
+                                             scale=D ** -0.5, enable_gqa=H != self.num_kv_heads)
+        return out.transpose(1, 2).to(x.dtype)  # [B, T, H, D]

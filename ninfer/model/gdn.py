@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kernels import kernels_for
 from kernels.gdn_reference import (
     causal_conv1d_update,
     chunk_gated_delta_rule,
@@ -47,6 +48,21 @@ class GDNState:
         recurrent = torch.zeros(batch, c.linear_num_value_heads, c.linear_key_head_dim,
                                 c.linear_value_head_dim, dtype=state_dtype(dtype), device=device)
         return GDNState(conv, recurrent)
+
+
+@dataclass(frozen=True)
+class SlotGDNState:
+    """A GDN layer's state left where the engine keeps it: slot pools conv [S, conv_dim,
+    K-1] and recurrent [S, Hv, Dk, Dv], lane b at slot `slots[b]` (negative: a padding lane).
+    A one-token forward on the GPU updates it in place and returns it as the new state (no
+    copy: what a decode step and its CUDA graph need); any other forward reads a copy."""
+
+    conv_pool: Tensor
+    rec_pool: Tensor
+    slots: Tensor
+
+    def gather(self) -> GDNState:
+        return GDNState(self.conv_pool[self.slots], self.rec_pool[self.slots])
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -108,27 +124,40 @@ class GatedDeltaNet(nn.Module):
         qkv = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
         return qkv, z.reshape(B, T, Hv, Dv), b.reshape(B, T, Hv), a.reshape(B, T, Hv)
 
-    def forward(self, x: Tensor, state: GDNState, all_states: bool = False,
-                chunk_size: int = 64) -> tuple[Tensor, GDNState]:
+    def forward(self, x: Tensor, state: GDNState | SlotGDNState, all_states: bool = False,
+                chunk_size: int = 64) -> tuple[Tensor, GDNState | SlotGDNState]:
         """x [B, T, hidden] continuing from `state` (the state at the first token's
         position) -> (y [B, T, hidden], new state). The new state is the state after the
-        last token, or with `all_states` the per-position state (see GDNState). `state`
-        is not modified."""
+        last token, or with `all_states` the per-position state (see GDNState). A
+        `GDNState` is not modified; a `SlotGDNState` is updated in place by a one-token
+        forward on the GPU (and returned), read as a copy otherwise. On a GPU the Triton
+        kernels compute what the torch references compute."""
         B, T, _ = x.shape
         Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        dev = kernels_for(x)
+        if isinstance(state, SlotGDNState):
+            if dev is not None and T == 1 and not all_states:
+                return self._step_in_place(x, state, dev), state
+            state = state.gather()
         qkv, z, b, a = self._project(x)
-        conv_out, conv_tail = causal_conv1d_update(
-            qkv.transpose(1, 2), state.conv, self.conv1d.weight.squeeze(1),
-            activation="silu", all_states=all_states)
+        weight = self.conv1d.weight.squeeze(1)
+        if dev is not None:  # the kernel writes the tail into the state it gets: a copy
+            conv_out, conv_tail = dev.conv(qkv.transpose(1, 2), state.conv.clone(), weight,
+                                           activation="silu", all_states=all_states)
+        else:
+            conv_out, conv_tail = causal_conv1d_update(
+                qkv.transpose(1, 2), state.conv, weight, activation="silu",
+                all_states=all_states)
         q, k, v = conv_out.transpose(1, 2).split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
         wide = compute_dtype(x)
         q = l2_normalize(q.reshape(B, T, Hk, Dk).to(wide))  # [B, T, Hk, Dk]
         k = l2_normalize(k.reshape(B, T, Hk, Dk).to(wide))
         v = v.reshape(B, T, Hv, Dv)
-        beta = torch.sigmoid(b.to(wide))  # [B, T, Hv]
-        g = -self.A_log.to(wide).exp() * F.softplus(a.to(wide) + self.dt_bias.to(wide))
+        beta, g = self._gates(b, a, wide)  # [B, T, Hv]
 
-        if all_states or T <= self.RECURRENT_MAX_TOKENS:
+        if dev is not None:
+            o, recurrent = self._rule_on_device(dev, q, k, v, g, beta, state, all_states)
+        elif all_states or T <= self.RECURRENT_MAX_TOKENS:
             o, recurrent = recurrent_gated_delta_rule(
                 q, k, v, g, beta, initial_state=state.recurrent, all_states=all_states)
         else:
@@ -137,3 +166,35 @@ class GatedDeltaNet(nn.Module):
         o = self.norm(o, z)  # [B, T, Hv, Dv]
         y = self.out_proj(o.reshape(B, T, Hv * Dv))
         return y, GDNState(conv_tail, recurrent.to(state.recurrent.dtype))
+
+    def _gates(self, b: Tensor, a: Tensor, wide: torch.dtype) -> tuple[Tensor, Tensor]:
+        """beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), in `wide`."""
+        beta = torch.sigmoid(b.to(wide))
+        g = -self.A_log.to(wide).exp() * F.softplus(a.to(wide) + self.dt_bias.to(wide))
+        return beta, g
+
+    @staticmethod
+    def _rule_on_device(dev, q, k, v, g, beta, state: GDNState, all_states: bool):
+        """The rule by the Triton kernels: the verify kernel keeping every position's
+        state, the step kernel for one token (on a copy), the chunked one otherwise."""
+        if all_states:
+            return dev.step(q, k, v, g, beta, state.recurrent, all_states=True)
+        if q.shape[1] == 1:
+            recurrent = state.recurrent.clone()
+            return dev.step(q, k, v, g, beta, recurrent), recurrent
+        return dev.chunk(q, k, v, g, beta, initial_state=state.recurrent)
+
+    def _step_in_place(self, x: Tensor, state: SlotGDNState, dev) -> Tensor:
+        """One token per lane, the conv tail and recurrent matrix updated in their slots."""
+        B = x.shape[0]
+        Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        qkv, z, b, a = self._project(x)  # qkv: [B, 1, conv_dim]
+        conv_out, _ = dev.conv(qkv.transpose(1, 2), state.conv_pool,
+                               self.conv1d.weight.squeeze(1), activation="silu",
+                               state_indices=state.slots)
+        q, k, v = conv_out.transpose(1, 2).split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+        beta, g = self._gates(b, a, compute_dtype(x))
+        o = dev.step(q.reshape(B, 1, Hk, Dk), k.reshape(B, 1, Hk, Dk), v.reshape(B, 1, Hv, Dv),
+                     g, beta, state.rec_pool, state_indices=state.slots, use_qk_l2norm=True)
+        o = self.norm(o, z)  # [B, 1, Hv, Dv]
+        return self.out_proj(o.reshape(B, 1, Hv * Dv))

@@ -14,21 +14,31 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from kernels import device_kernels, kernels_for
+
 from ..engine.model import Forward, Lane, MissingStatePart, MtpOut, Parts
 from .attention import ContiguousKV
-from .gdn import GDNState, state_dtype
+from .gdn import GDNState, SlotGDNState, state_dtype
 from .hybrid import HybridModel, HybridState
 
 VERIFY_STATES_UP_TO = 32   # longest forward whose per-position GDN states are kept
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
+ATTEND_ON_DEVICE_UP_TO = 32  # query positions per lane the paged-attention kernel takes
+
+
 class PagedKV:
-    """The KVStore protocol over block storage, for a batch of lanes' block tables."""
+    """The KVStore protocol over block storage, for a batch of lanes' block tables. On a
+    GPU it also attends itself (`attend`): the paged-attention kernel reads the blocks in
+    place, for decode and verify forwards."""
 
     def __init__(self, k: dict[int, Tensor], v: dict[int, Tensor], block_size: int,
-                 tables: Sequence[Sequence[int]]) -> None:
+                 tables: Sequence[Sequence[int]] | Tensor) -> None:
         self.k, self.v, self.bs = k, v, block_size
+        if isinstance(tables, Tensor):  # a CUDA graph's static table [B, blocks] (long)
+            self.run, self.tables = None, tables
+            return
         # one lane whose blocks are consecutive (a fresh pool hands them out in order): its
         # KV is a slice of the storage, read without a gather
         only = tables[0] if len(tables) == 1 else None
@@ -44,6 +54,17 @@ class PagedKV:
         offsets = positions % self.bs
         self.k[layer][blocks, offsets] = k.to(self.k[layer].dtype)
         self.v[layer][blocks, offsets] = v.to(self.v[layer].dtype)
+
+    def attend(self, layer: int, q: Tensor, positions: Tensor) -> Tensor | None:
+        """Attention of q [B, T, H, D] at `positions` (consecutive per lane, already written)
+        over the lane's KV by the device kernel; None where it does not apply (the CPU, a
+        long prefill chunk), and the caller reads the KV instead."""
+        dev = kernels_for(q)
+        if dev is None or q.shape[1] > ATTEND_ON_DEVICE_UP_TO:
+            return None
+        k, v = self.k[layer], self.v[layer]
+        return dev.attention(q.to(k.dtype).contiguous(), k, v, self.tables,
+                             positions[:, -1] + 1).to(q.dtype)
 
     def read(self, layer: int, length: int) -> tuple[Tensor, Tensor]:
         n = -(-length // self.bs)
@@ -76,6 +97,17 @@ class _States(Sequence):
         return self.out, self.row, i
 
 
+class _InPlace(Sequence):
+    """The state after a one-token graph replay: already in the lane's slot."""
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> _InPlace:
+        range(1)[i]  # 0 and -1 only
+        return self
+
+
 class TorchModel:
     def __init__(self, net: HybridModel, *, num_blocks: int, block_size: int, num_slots: int,
                  identity: str, device: str | torch.device = "cpu") -> None:
@@ -86,8 +118,12 @@ class TorchModel:
         self.identity, self.device = identity, torch.device(device)
         self.vocab_size, self.block_size = c.vocab_size, block_size
 
+        # one block past the pool's: the scratch block, where padding lanes of a CUDA
+        # graph write their KV (never handed out, never read by a real lane)
+        self.scratch_block = num_blocks
+
         def blocks(keys):
-            shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+            shape = (num_blocks + 1, block_size, c.num_key_value_heads, c.head_dim)
             return ({i: self._zeros(shape) for i in keys}, {i: self._zeros(shape) for i in keys})
 
         self.kv_k, self.kv_v = blocks(c.attention_layers)
@@ -100,6 +136,11 @@ class TorchModel:
         self.hidden = self._zeros((num_slots, c.hidden_size))
         self.hidden_valid = [False] * num_slots
         self._launched = self._completed = 0
+        self.graphs = None
+        if self.device.type == "cuda" and device_kernels() is not None and not any(
+                c.is_moe_layer(i) for i in range(c.num_hidden_layers)):
+            from .graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(self)
 
     def _zeros(self, shape, dtype=None) -> Tensor:
         return torch.zeros(shape, dtype=dtype or self.dtype, device=self.device)
@@ -108,7 +149,10 @@ class TorchModel:
 
     def _state(self, slots: Sequence[int], tables) -> HybridState:
         idx = torch.tensor(list(slots), device=self.device)
-        gdn = {i: GDNState(self.conv[i][idx], self.recurrent[i][idx]) for i in self.conv}
+        if kernels_for(self.hidden) is not None:  # left in the pools: a step updates them
+            gdn = {i: SlotGDNState(self.conv[i], self.recurrent[i], idx) for i in self.conv}
+        else:
+            gdn = {i: GDNState(self.conv[i][idx], self.recurrent[i][idx]) for i in self.conv}
         return HybridState(gdn, PagedKV(self.kv_k, self.kv_v, self.block_size, tables))
 
     def forward(self, lane: Lane, tokens: Sequence[int], start: int,
@@ -128,6 +172,15 @@ class TorchModel:
             groups.setdefault(len(tokens), []).append(index)
         for n, members in groups.items():
             lanes = [items[m][0] for m in members]
+            if n == 1 and self.graphs is not None and self.graphs.fits(lanes):
+                self._launched += 1
+                logits, hidden = self.graphs.run(lanes, [items[m][1][0] for m in members],
+                                                 [items[m][2] for m in members])
+                greedy = logits.argmax(-1).tolist()
+                for row, m in enumerate(members):
+                    results[m] = Forward([greedy[row]], [hidden[row]], _InPlace(),
+                                         logits[row:row + 1])
+                continue
             ids = torch.tensor([list(items[m][1]) for m in members], device=self.device)
             starts = torch.tensor([items[m][2] for m in members], device=self.device)
             positions = starts[:, None] + torch.arange(n, device=self.device)  # [B, T]
@@ -142,12 +195,18 @@ class TorchModel:
         return results
 
     def accept(self, lane: Lane, state, hidden=None) -> None:
+        if isinstance(state, _InPlace):  # a graph replay updated the slot already
+            self._set_hidden(lane.slot, hidden)
+            return
         out, row, i = state
         for layer in self.conv:
             if out.states is not None:
                 conv, rec = out.states[layer].conv[row, i], out.states[layer].recurrent[row, i]
             else:
-                conv, rec = out.state.gdn[layer].conv[row], out.state.gdn[layer].recurrent[row]
+                gdn = out.state.gdn[layer]
+                if isinstance(gdn, SlotGDNState):
+                    continue  # a one-token step on the GPU updated the slot in place
+                conv, rec = gdn.conv[row], gdn.recurrent[row]
             self.conv[layer][lane.slot] = conv
             self.recurrent[layer][lane.slot] = rec
         self._set_hidden(lane.slot, hidden)

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One GPU measurement, run from the source tree on the GPU machine (no network, its own
+# Python, torch and Triton): installs the carried wheels in .whl/ with --no-deps into
+# /tmp/site (never the project's pins), then runs the kernel tests on real shapes and the
+# benchmarks, writing JSON results to $OUT (or bench/results/ when OUT is unset).
+#
+#   bench/gpu.sh [kernels] [engine] [baseline]     (default: all three)
+#
+# Wheels to carry (fetched on a machine with network, see bench/README.md): fla-core,
+# transitions, sqlite-utils, sqlite-fts4, click-default-group.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results}
+mkdir -p "$OUT"
+stages=${*:-kernels engine baseline}
+export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
+python3 - <<'PY'
+import torch, triton
+print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda,
+      torch.cuda.get_device_name())
+PY
+status=0
+for stage in $stages; do
+    case $stage in
+    kernels)
+        python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/kernel-tests.txt" | tail -25
+        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+        python3 -c "from ninfer.bench.kernels import main; raise SystemExit(main('$OUT/kernels-h200.json'))" || status=1
+        ;;
+    engine)
+        python3 -c "from ninfer.bench.gpu_engine import main; raise SystemExit(main('$OUT/engine-h200.json'))" || status=1
+        ;;
+    baseline)
+        python3 -c "from ninfer.bench.gpu_engine import baseline; raise SystemExit(baseline('$OUT/baseline-h200.json'))" || status=1
+        ;;
+    *) echo "unknown stage $stage"; status=2 ;;
+    esac
+done
+exit $status

@@ -1,0 +1,183 @@
+"""The engine on the GPU (`bench/gpu.sh engine` / `baseline`): anchor-1b, a 0.73B random
+Qwen3-Next in bf16 (../shared/TARGETS.md's shape), against its roofline and against
+transformers + fla on the same weights, each measured in the run that reports it.
+
+- roofline: bytes read per decode step (every weight but the embedding table and the MTP
+  head) over the copy bandwidth measured in this run; a batch of B reads them once.
+- ours: `ninfer bench engine`'s figures on the GPU (decode at batch 1/4/8 through the whole
+  engine, CUDA graphs for the steps; prefill; MTP drafting as the model drafts, forced right,
+  forced wrong), plus the model's own step time (a graph replay and its argmax) and a verify
+  of 4 positions against a plain step.
+- baseline: transformers' Qwen3NextForCausalLM on the same files, with fla's kernels when
+  transformers binds them (reported), `generate` greedy at batch 1 and 8, and a 4K prefill.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ANCHOR_DIR = Path("/tmp/ninfer-anchor-1b")
+ANCHOR = dict(
+    vocab_size=151_936, hidden_size=1024, num_hidden_layers=24,
+    layer_types=(("linear_attention",) * 3 + ("full_attention",)) * 6,
+    num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=8,
+    linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, intermediate_size=3072, tie_word_embeddings=False)
+DECODE_TOKENS = 128
+
+
+def anchor_dir() -> Path:
+    """The anchor-1b model directory (random bf16 weights), written once per machine."""
+    if not (ANCHOR_DIR / "config.json").exists():
+        from ..model.tiny import make_tiny
+        t0 = time.perf_counter()
+        make_tiny(ANCHOR_DIR, dtype="bfloat16", **ANCHOR)
+        print(f"anchor-1b written in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return ANCHOR_DIR
+
+
+def step_bytes(net) -> int:
+    """Bytes a decode step must read: every weight but the embedding table and MTP head."""
+    return sum(p.numel() * p.element_size() for n, p in net.named_parameters()
+               if not n.startswith(("model.embed_tokens", "mtp.")))
+
+
+def _cuda_time(fn, reps: int) -> float:
+    """Seconds per call of fn(), CUDA-synchronised."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps
+
+
+def model_steps(bench) -> dict:
+    """The model alone: a one-token step of 1 and 8 lanes (graph replay + argmax), and a
+    verify of 4 positions keeping every state, against a plain step."""
+    from ..engine.model import Lane
+    m = bench.om.model
+    out = {}
+    for B in (1, 8):
+        lanes = [Lane(slot=i, attn_blocks=list(range(i * 64, i * 64 + 64))) for i in range(B)]
+        items = [(lane, [7], 1000) for lane in lanes]
+        out[f"step_b{B}_us"] = _cuda_time(lambda items=items: m.forward_batch(items), 50) * 1e6
+    lane = Lane(slot=0, attn_blocks=list(range(64)))
+    out["verify4_us"] = _cuda_time(
+        lambda: m.forward_batch([(lane, [7, 8, 9, 10], 1000)], per_position=True), 50) * 1e6
+    out["verify4_over_step"] = out["verify4_us"] / out["step_b1_us"]
+    return out
+
+
+def main(json_path: str | None = None) -> int:
+    if not torch.cuda.is_available():
+        print("gpu engine bench: needs a CUDA device", file=sys.stderr)
+        return 2
+    from .engine import Bench
+    from .kernels import copy_bandwidth
+    path = anchor_dir()
+    bandwidth = copy_bandwidth()
+    b = Bench(str(path), "cuda", "bfloat16")
+    per_step = step_bytes(b.om.model.net)
+    r: dict = {"model": "anchor-1b", "params": sum(p.numel() for p in b.om.model.net.parameters()),
+               "copy_bandwidth_GBps": bandwidth / 1e9, "step_bytes": per_step,
+               "roofline_tok_s_b1": bandwidth / per_step,
+               "graphs": b.om.model.graphs is not None}
+    steps = [("model", lambda: model_steps(b)), ("prefill", lambda: b.prefill(4096))]
+    for batch in (1, 4, 8):
+        steps.append((f"decode_b{batch}",
+                      lambda batch=batch: b.decode(batch, tokens=DECODE_TOKENS)))
+    steps.append(("decode_b1_4k", lambda: b.decode(1, tokens=DECODE_TOKENS, context=4096)))
+    for drafts in (None, "accept", "reject"):
+        steps.append((f"mtp_{drafts or 'model'}",
+                      lambda d=drafts: b.decode(1, tokens=DECODE_TOKENS, spec="mtp", drafts=d)))
+    steps.append(("turn2_4k", lambda: b.turn2(4096)))
+    for name, run in steps:
+        t0 = time.perf_counter()
+        try:
+            r[name] = run()
+        except Exception as exc:  # a broken figure must not hide the others
+            r[name] = {"error": repr(exc)}
+            print(f"gpu engine bench: {name} failed: {exc!r}", file=sys.stderr)
+        print(f"  {name}: {r[name]} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    for batch in (1, 4, 8):
+        row = r[f"decode_b{batch}"]
+        if "tok_s" in row:
+            row["roofline_fraction"] = row["tok_s"] / (batch * r["roofline_tok_s_b1"])
+    _write("engine", r, json_path)
+    return 0
+
+
+def baseline(json_path: str | None = None) -> int:
+    """transformers (+ fla when it binds it) on the same anchor-1b files."""
+    if not torch.cuda.is_available():
+        print("gpu baseline: needs a CUDA device", file=sys.stderr)
+        return 2
+    import transformers
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_next import modeling_qwen3_next as module
+    bound = _bind_fla(module)
+    path = anchor_dir()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    layer = model.model.layers[0].linear_attn  # what the layer calls, as bound at its init
+    kernels = {name: getattr(getattr(layer, name, getattr(module, name, None)), "__module__",
+                             None)
+               for name in ("chunk_gated_delta_rule", "recurrent_gated_delta_rule",
+                            "fused_recurrent_gated_delta_rule", "causal_conv1d_update")}
+    r: dict = {"transformers": transformers.__version__, "kernels": kernels, "bound": bound,
+               "fast_path": bool(getattr(module, "is_fast_path_available", False))}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.inference_mode():
+        for batch in (1, 8):
+            ids = torch.randint(0, 4000, (batch, 64), device="cuda", generator=g)
+            kw = dict(max_new_tokens=DECODE_TOKENS, min_new_tokens=DECODE_TOKENS,
+                      do_sample=False, pad_token_id=0)
+            model.generate(ids, **{**kw, "max_new_tokens": 8, "min_new_tokens": 8})  # warm
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model.generate(ids, **kw)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+            r[f"decode_b{batch}_tok_s"] = batch * DECODE_TOKENS / seconds
+        ids = torch.randint(0, 4000, (1, 4096), device="cuda", generator=g)
+        model(ids)
+        seconds = _cuda_time(lambda: model(ids), 3)
+        r["prefill_4k_tok_s"] = 4096 / seconds
+    _write("baseline", r, json_path)
+    return 0
+
+
+def _bind_fla(module) -> list[str]:
+    """transformers binds fla's kernels at import only when it finds a distribution named
+    "fla" (fla-core's is "fla-core"): bind them as it would have, before the model is built."""
+    try:
+        from fla.modules import FusedRMSNormGated
+        from fla.ops.gated_delta_rule import (
+            chunk_gated_delta_rule,
+            fused_recurrent_gated_delta_rule,
+        )
+    except ImportError:
+        return []
+    bound = []
+    for name, value in (("chunk_gated_delta_rule", chunk_gated_delta_rule),
+                        ("fused_recurrent_gated_delta_rule", fused_recurrent_gated_delta_rule),
+                        ("FusedRMSNormGated", FusedRMSNormGated)):
+        if hasattr(module, name) and getattr(module, name) is None:
+            setattr(module, name, value)
+            bound.append(name)
+    if hasattr(module, "is_fast_path_available"):
+        module.is_fast_path_available = True
+    return bound
+
+
+def _write(name: str, r: dict, json_path: str | None) -> None:
+    line = json.dumps({"bench": f"gpu-{name}", "results": r})
+    print(line)
+    if json_path:
+        Path(json_path).write_text(line + "\n")

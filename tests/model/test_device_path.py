@@ -1,0 +1,83 @@
+"""The model's GPU path (Triton kernels: conv and gated delta rule in the slot pools, paged
+attention over the blocks) computes what the torch path computes. Run here on CPU tensors
+in Triton's interpreter; on a GPU the same code runs for real (tests/kernels has the
+kernels' own tests on real shapes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from ninfer.engine.engine import EngineConfig
+from ninfer.model.gdn import SlotGDNState
+from ninfer.model.torch_model import TorchModel
+from ninfer.testing.harness import Harness
+
+from .nets import tiny_net
+
+PROMPT = tuple((i * 11 + 2) % 97 for i in range(37))
+
+
+def _factory(num_blocks, block_size, num_slots):
+    return TorchModel(tiny_net(torch.float32), num_blocks=num_blocks, block_size=block_size,
+                      num_slots=num_slots, identity="tiny-test-f32")
+
+
+def _conversation(spec: str):
+    h = Harness(EngineConfig(spec=spec, prefill_chunk=16, draft_tokens=2, check_reuse=True),
+                model_factory=_factory)
+    first = h.submit(PROMPT, "s", max_tokens=6)
+    h.run()
+    turn2 = PROMPT + tuple(h.request(first).outputs) + (4, 5, 6)
+    second = h.submit(turn2, "s", max_tokens=5)
+    h.run()
+    h.check()
+    return h, [h.request(first).outputs, h.request(second).outputs]
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    monkeypatch.setattr(kernels, "INTERPRET_ON_CPU", True)
+    assert kernels.device_kernels() is not None
+
+
+@pytest.mark.parametrize("spec", ["none", "mtp"])
+def test_the_kernel_path_gives_the_torch_paths_tokens(spec, monkeypatch):
+    _, want = _conversation(spec)
+    monkeypatch.setattr(kernels, "INTERPRET_ON_CPU", True)
+    h, got = _conversation(spec)
+    assert got == want
+    # the lanes' GDN state stayed in the pools: one-token steps updated the slots in place
+    state = h.engine.model._state([0], [[0]])
+    assert all(isinstance(s, SlotGDNState) for s in state.gdn.values())
+
+
+def test_a_one_token_step_updates_only_its_lanes_slots(on_cpu):
+    model = _factory(16, 4, 6)
+    net, c = model.net, model.config
+    torch.manual_seed(1)
+    for layer in model.conv:
+        model.conv[layer].normal_()
+        model.recurrent[layer].normal_(std=0.1)
+    before = {i: (model.conv[i].clone(), model.recurrent[i].clone()) for i in model.conv}
+    ids, pos = torch.tensor([[5], [7]]), torch.tensor([[3], [3]])
+    tables = [[0, 1], [2, 3]]
+    # the torch path on copies of slots 4 and 1
+    from ninfer.model.gdn import GDNState
+    from ninfer.model.hybrid import HybridState
+    from ninfer.model.torch_model import PagedKV
+    idx = torch.tensor([4, 1])
+    copies = {i: GDNState(before[i][0][idx], before[i][1][idx]) for i in model.conv}
+    kernels.INTERPRET_ON_CPU = False
+    ref = net.forward(ids, pos, HybridState(copies, PagedKV(model.kv_k, model.kv_v, 4, tables)))
+    kernels.INTERPRET_ON_CPU = True
+    got = net.forward(ids, pos, model._state([4, 1], tables))
+    assert torch.allclose(got.logits, ref.logits, atol=1e-4, rtol=1e-4)
+    for i in model.conv:
+        for pool, new, old in ((model.conv[i], ref.state.gdn[i].conv, before[i][0]),
+                               (model.recurrent[i], ref.state.gdn[i].recurrent, before[i][1])):
+            assert torch.allclose(pool[idx], new.to(pool.dtype), atol=1e-4, rtol=1e-4)
+            untouched = [s for s in range(6) if s not in (4, 1)]
+            assert torch.equal(pool[untouched], old[untouched])
+    assert c.linear_layers
