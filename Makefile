@@ -19,10 +19,12 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check ninfer tests
 
-# Long fuzzing, not CI: MINUTES=N (default 10).
+# Long fuzzing, not CI: MINUTES=N in all (default 10), half each to the Hypothesis state
+# machine and the deterministic simulation, both with random seeds.
 MINUTES ?= 10
 fuzz: $(STAMP)
-	$(BIN)/ninfer fuzz stateful --minutes $(MINUTES)
+	$(BIN)/ninfer fuzz stateful --minutes $$($(BIN)/python -c 'print($(MINUTES) / 2)')
+	$(BIN)/ninfer fuzz sim --minutes $$($(BIN)/python -c 'print($(MINUTES) / 2)')
 
 bench: $(STAMP)
 	$(BIN)/ninfer bench lifecycle

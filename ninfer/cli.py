@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     stateful.add_argument("--seed", type=int, default=None,
                           help="run one round with this seed (reproduces a reported failure)")
     stateful.set_defaults(func=_fuzz)
+    from .sim.cli import add_sim_parser
+    add_sim_parser(fuzz_sub)
 
     bench = sub.add_parser("bench", help="benchmarks; print a table and JSON")
     bench_sub = bench.add_subparsers(dest="target", required=True)

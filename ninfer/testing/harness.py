@@ -25,11 +25,12 @@ SPEC_PREDICATE = salvage.materializable
 class Harness:
     def __init__(self, config: EngineConfig, *, num_blocks: int = 96, block_size: int = 4,
                  num_slots: int = 24, seed: int = 0, journal: Journal | None = None,
-                 oracle: bool = True, model_factory=None, files_dir=None) -> None:
+                 oracle: bool = True, model_factory=None, files_dir=None, clock=None) -> None:
         """`model_factory(num_blocks, block_size, num_slots)` builds the model (SimModel by
         default); it is called again at a restart that loses tensors. `files_dir`: durable
-        endpoints there (`EndpointFiles`), restored by a restart that loses tensors."""
-        self.files_dir = files_dir
+        endpoints there (`EndpointFiles`), restored by a restart that loses tensors.
+        `clock`: the engines' event clock (the simulator's virtual one); wall time if None."""
+        self.files_dir, self.clock = files_dir, clock
         self.config, self.seed = config, seed
         self.model_factory = model_factory or (
             lambda nb, bs, ns: SimModel(num_blocks=nb, block_size=bs, num_slots=ns, seed=seed))
@@ -44,7 +45,8 @@ class Harness:
         self.past: dict = {}                  # requests of engines before a restart
         self.engine = self._boot(None, config)
 
-    def _boot(self, kept: tuple | None, config: EngineConfig) -> Engine:
+    def _boot(self, kept: tuple | None, config: EngineConfig,
+              journal: Journal | None = None) -> Engine:
         num_blocks, block_size, num_slots = self.sizes
         if kept is None:
             model = self.model_factory(num_blocks, block_size, num_slots)
@@ -55,8 +57,9 @@ class Harness:
         if self.files_dir is not None:
             from ..engine.durable import EndpointFiles
             files = EndpointFiles(self.files_dir)
-        engine = Engine(model, config, blocks=blocks, slots=slots, journal=self.journal,
-                        held=held, endpoint_files=files)
+        engine = Engine(model, config, blocks=blocks, slots=slots,
+                        journal=self.journal if journal is None else journal,
+                        held=held, endpoint_files=files, clock=self.clock)
         engine.log.listeners.append(self.checker.feed)
         engine.recover()
         return engine
@@ -96,17 +99,19 @@ class Harness:
     def outputs(self, rid: str) -> tuple[int, ...]:
         return tuple(getattr(self.request(rid), "outputs", ()))
 
-    def restart(self, *, keep_tensors: bool, spec: str | None = None) -> None:
-        """A crash and a restart on the same journal, possibly with another mode."""
+    def restart(self, *, keep_tensors: bool, spec: str | None = None,
+                journal: Journal | None = None, **options) -> None:
+        """A crash and a restart on the same journal (`journal`: the same file reopened),
+        possibly with another mode and other `EngineConfig` options."""
         engine = self.engine
         self.past.update(engine.requests)
         held = engine.close_for_restart()
         if engine.files is not None:
             engine.files.close()  # the writes in flight land (a crash that cuts one: a test)
         kept = (engine.model, engine.blocks, engine.slots, held) if keep_tensors else None
-        config = replace(self.config, spec=spec or self.config.spec)
+        config = replace(self.config, spec=spec or self.config.spec, **options)
         self.config = config
-        self.engine = self._boot(kept, config)
+        self.engine = self._boot(kept, config, journal)
 
     def _unseen(self):
         """Journal events the replica has not folded yet, from files rotated away too."""
