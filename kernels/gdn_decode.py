@@ -68,7 +68,7 @@ def _gdn_decode_kernel(
         if L2NORM:
             q = q * tl.rsqrt(tl.sum(q * q, axis=0) + EPS)
             k = k * tl.rsqrt(tl.sum(k * k, axis=0) + EPS)
-        q = q * scale
+        q = (q * scale).to(tl.float32)  # a compiled caller may pass scale as fp64
         # both reads of the old state in one pass over the tile: [BV] each
         read_k = tl.sum(S * k[:, None], axis=0)
         read_q = tl.sum(S * q[:, None], axis=0)

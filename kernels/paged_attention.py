@@ -80,7 +80,7 @@ def _paged_attn_split_kernel(
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k.to(q.dtype)))
-        s = s * qk_scale  # log2 units
+        s = (s * qk_scale).to(tl.float32)  # log2 units (a compiled caller may pass fp64)
         s = tl.where(offs_n[None, :] <= last[:, None], s, float("-inf"))  # s: [BM, BN]
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
