@@ -57,7 +57,10 @@ class EngineThread:
         self.error: BaseException | None = None
         self.cancel_latencies: list[tuple[float, int]] = []  # (seconds, steps), bounded
         self.on_cancel_latency: Callable[[float, int], None] | None = None
-        engine.log.listeners.append(self._route)
+        # events reach the handles once their step is committed to the journal: a client is
+        # never told of a token or an ending that a crash could take back
+        self._uncommitted: list[ev.Event] = []
+        engine.log.listeners.append(self._uncommitted.append)
 
     @property
     def alive(self) -> bool:
@@ -117,6 +120,12 @@ class EngineThread:
         self._wake.set()
         return future
 
+    def _release(self) -> None:
+        """Route the events the journal now holds (called after each commit)."""
+        events, self._uncommitted[:] = list(self._uncommitted), []
+        for event in events:
+            self._route(event)
+
     def _route(self, event: ev.Event) -> None:  # runs on the engine thread
         if event.request is None:
             return
@@ -158,7 +167,9 @@ class EngineThread:
                 return
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(fn(self.engine))
+                    result = fn(self.engine)
+                    self._release()  # what it emitted, the engine committed (evict, say)
+                    future.set_result(result)
                 except Exception as exc:
                     future.set_exception(exc)
 
@@ -171,6 +182,7 @@ class EngineThread:
                     self._wake.clear()
                     continue
                 self.engine.step()
+                self._release()
                 if self.step_delay:
                     time.sleep(self.step_delay)
         except BaseException as exc:  # surfaced to whoever owns the thread

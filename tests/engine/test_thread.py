@@ -63,3 +63,30 @@ def test_invalid_requests_are_refused_before_admission():
         runner.submit(Submit("e", (1, 2), "s", "t", SamplingParams(2)))
     runner.stop()
     assert [e.request for e in h.journal.read() if e.kind == "RequestQueued"] == ["e"]
+
+
+def test_a_client_hears_only_of_what_the_journal_holds():
+    """Found by `ninfer fuzz sim`: events used to reach clients as they were emitted, before
+    their step's commit, so a crash in between told a client "finished" while the journal
+    said nothing of it. Now a failed commit leaves the client with the engine's failure."""
+    from ninfer.lifecycle.journal import JournalError
+    h = Harness(EngineConfig(prefill_chunk=64))
+    h.engine.log.listeners.clear()
+    runner = EngineThread(h.engine)
+    real = h.journal.append
+
+    def fail_on_the_finish(events):
+        if any(e.kind == "RequestFinished" for e in events):
+            raise JournalError("disk full")
+        real(events)
+
+    h.journal.append = fail_on_the_finish
+    seen = []
+    handle = runner.start().submit(Submit("r1", tuple(range(1, 20)), "s", "t",
+                                          SamplingParams(3)), on_event=seen.append)
+    outcome = handle.wait(10)
+    runner.stop()
+    assert outcome is not None and outcome.kind == "RequestFailed"
+    assert "disk full" in outcome.message
+    assert "RequestFinished" not in [e.kind for e in seen]
+    assert "RequestFinished" not in [e.kind for e in h.journal.read()]
