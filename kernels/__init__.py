@@ -15,16 +15,21 @@ from .gdn_reference import (
 
 @functools.cache
 def device_kernels() -> SimpleNamespace | None:
-    """The Triton kernels (conv, chunk, step, attention), or None where Triton is missing.
+    """The Triton kernels (conv, chunk, step, attention and the fused elementwise ones), or
+    None where Triton is missing.
     Callers use them for CUDA tensors only (on the CPU they run only in the interpreter)."""
     try:
+        from . import fused
         from .conv1d import causal_conv1d_update as conv
         from .gdn_chunk import chunk_gated_delta_rule as chunk
         from .gdn_decode import fused_recurrent_gated_delta_rule as step
         from .paged_attention import paged_attention_decode as attention
     except ImportError:
         return None
-    return SimpleNamespace(conv=conv, chunk=chunk, step=step, attention=attention)
+    return SimpleNamespace(conv=conv, chunk=chunk, step=step, attention=attention,
+                           rms_norm=fused.rms_norm, gated_rms_norm=fused.gated_rms_norm,
+                           silu_mul=fused.silu_mul, sigmoid_mul=fused.sigmoid_mul,
+                           rope=fused.rope)
 
 
 # Tests set this (with TRITON_INTERPRET=1) to run the model's kernel paths on CPU tensors

@@ -29,10 +29,11 @@ def _gdn_decode_kernel(
     s_gb, s_gt, s_gh, s_bb, s_bt, s_bh, s_ob, s_ot, s_oh,
     s_sn, s_sh, s_sk,  # state pool strides (slot, head, Dk); Dv is contiguous
     s_ab, s_at, s_ah, s_ak,  # out_states strides (lane, position, head, Dk)
+    ra_ptr, rb_ptr, alog_ptr, dtb_ptr, s_rab, s_rat, s_rah, s_rbb, s_rbt, s_rbh,
     HV: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_INDEX: tl.constexpr, ALL_STATES: tl.constexpr, L2NORM: tl.constexpr,
-    EPS: tl.constexpr,
+    EPS: tl.constexpr, RAW_GATES: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     b, h = i_bh // HV, i_bh % HV
@@ -63,8 +64,16 @@ def _gdn_decode_kernel(
         q = tl.load(p_q + t * s_qt, mask=mk, other=0.0).to(tl.float32)  # [BK]
         k = tl.load(p_k + t * s_kt, mask=mk, other=0.0).to(tl.float32)
         v = tl.load(p_v + t * s_vt, mask=mv, other=0.0).to(tl.float32)  # [BV]
-        decay = tl.exp(tl.load(p_g + t * s_gt).to(tl.float32))
-        beta = tl.load(p_b + t * s_bt).to(tl.float32)
+        if RAW_GATES:  # beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)
+            ra = tl.load(ra_ptr + b * s_rab + t * s_rat + h * s_rah).to(tl.float32)
+            rb = tl.load(rb_ptr + b * s_rbb + t * s_rbt + h * s_rbh).to(tl.float32)
+            x = ra + tl.load(dtb_ptr + h).to(tl.float32)
+            softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+            decay = tl.exp(-tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus)
+            beta = tl.sigmoid(rb)
+        else:
+            decay = tl.exp(tl.load(p_g + t * s_gt).to(tl.float32))
+            beta = tl.load(p_b + t * s_bt).to(tl.float32)
         if L2NORM:
             q = q * tl.rsqrt(tl.sum(q * q, axis=0) + EPS)
             k = k * tl.rsqrt(tl.sum(k * k, axis=0) + EPS)
@@ -92,7 +101,7 @@ def fused_recurrent_gated_delta_rule(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
     state_indices: Tensor | None = None, scale: float | None = None, all_states: bool = False,
     out_states: Tensor | None = None, use_qk_l2norm: bool = False,
-    BV: int | None = None, num_warps: int | None = None,
+    BV: int | None = None, num_warps: int | None = None, gates: tuple | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The gated delta rule over T positions for each of B lanes, on the GPU.
 
@@ -111,11 +120,16 @@ def fused_recurrent_gated_delta_rule(
     `out_states` [B, T, Hv, Dk, Dv] float32 (allocated if None, last axis contiguous) and
     (o, out_states) is returned, so a rollback to position t is `out_states[:, t]`.
     Matches `kernels.gdn_reference.recurrent_gated_delta_rule` (float32 arithmetic).
+    `gates=(a, b, A_log, dt_bias)`: g and beta are computed here from the raw projections
+    a, b [B, T, Hv] (any strides) as the model does, beta = sigmoid(b) and g = -exp(A_log)
+    * softplus(a + dt_bias) (the `g`, `beta` arguments are then ignored and may be None).
 
     Grid (cdiv(Dv, BV), B * Hv); tunables BV (a power of two; default 32, or 16 when that
     gives fewer than 264 programs) and num_warps (default 4; 8 for BV >= 64)."""
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2], v.shape[3]
+    if gates is not None:
+        g = beta = gates[0]  # placeholders of the right shape: RAW_GATES reads the gates
     if q.shape != k.shape or v.shape[:2] != (B, T) or g.shape != (B, T, Hv) \
             or beta.shape != (B, T, Hv):
         raise ValueError(f"shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
@@ -156,9 +170,11 @@ def fused_recurrent_gated_delta_rule(
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *g.stride(), *beta.stride(), *o.stride()[:3],
         *state.stride()[:3], *a_strides,
+        *(gates if gates is not None else (g, g, g, g)),
+        *(gates[0].stride() + gates[1].stride() if gates is not None else (0,) * 6),
         HV=Hv, R=Hv // Hk, DK=Dk, DV=Dv, BK=triton.next_power_of_2(Dk), BV=BV,
         HAS_INDEX=state_indices is not None, ALL_STATES=all_states, L2NORM=use_qk_l2norm,
-        EPS=L2_EPS,
+        EPS=L2_EPS, RAW_GATES=gates is not None,
         num_warps=num_warps,
     )
     return (o, out_states) if all_states else o

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kernels import kernels_for
+
 from .config import ModelConfig
 from .layers import RMSNorm, apply_rope, compute_dtype
 
@@ -102,7 +104,8 @@ class GatedAttention(nn.Module):
         out = attend(layer, q, positions) if attend is not None else None
         if out is None:
             out = self._attend(x, q, positions, kv, layer)
-        out = out * torch.sigmoid(gate)
+        dev = kernels_for(out)
+        out = dev.sigmoid_mul(out, gate) if dev is not None else out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(B, T, H * D))
 
     def _attend(self, x: Tensor, q: Tensor, positions: Tensor, kv: KVStore,

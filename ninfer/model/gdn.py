@@ -193,8 +193,8 @@ class GatedDeltaNet(nn.Module):
                                self.conv1d.weight.squeeze(1), activation="silu",
                                state_indices=state.slots)
         q, k, v = conv_out.transpose(1, 2).split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
-        beta, g = self._gates(b, a, compute_dtype(x))
         o = dev.step(q.reshape(B, 1, Hk, Dk), k.reshape(B, 1, Hk, Dk), v.reshape(B, 1, Hv, Dv),
-                     g, beta, state.rec_pool, state_indices=state.slots, use_qk_l2norm=True)
+                     None, None, state.rec_pool, state_indices=state.slots, use_qk_l2norm=True,
+                     gates=(a, b, self.A_log, self.dt_bias))
         o = self.norm(o, z)  # [B, 1, Hv, Dv]
         return self.out_proj(o.reshape(B, 1, Hv * Dv))

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kernels import kernels_for
+
 from .attention import ContiguousKV, GatedAttention, KVStore
 from .config import ModelConfig
 from .fileformat import LoadError  # one error for every refusal at load
@@ -80,6 +82,11 @@ class DecoderLayer(nn.Module):
         else:
             assert gdn is not None, "a GDN layer needs its state"
             mixed, new_gdn = self.linear_attn(x, gdn, all_states=all_states)
+        dev = kernels_for(h)
+        if dev is not None:  # the residual add and the norm in one kernel
+            norm = self.post_attention_layernorm
+            y, h = dev.rms_norm(mixed, norm.weight, norm.eps, 1.0, residual=h)
+            return h + self.mlp(y), new_gdn
         h = h + mixed
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, new_gdn

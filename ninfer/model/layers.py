@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kernels import kernels_for
+
 from .config import ModelConfig
 
 
@@ -34,6 +36,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        dev = kernels_for(x)
+        if dev is not None:  # the whole chain in one kernel
+            return dev.rms_norm(x, self.weight, self.eps, 1.0)
         dtype = compute_dtype(x)
         # the scale multiplies before the cast back, as the reference does
         return (_rms(x.to(dtype), self.eps) * (1.0 + self.weight.to(dtype))).to(x.dtype)
@@ -49,6 +54,9 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor, z: Tensor) -> Tensor:
+        dev = kernels_for(x)
+        if dev is not None:
+            return dev.gated_rms_norm(x, z, self.weight, self.eps)
         dtype = compute_dtype(x)
         # the reference casts the normalised x back to the input dtype before the weight
         normed = self.weight * _rms(x.to(dtype), self.eps).to(x.dtype)
@@ -72,6 +80,9 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     the half-split layout (channel i pairs with i + rotary_dim/2); the rest pass through.
     x [B, T, H, D]; cos, sin [B, T, rotary_dim]. Qwen3.5's multimodal RoPE equals this for
     text, where all its position axes agree."""
+    dev = kernels_for(x)
+    if dev is not None:
+        return dev.rope(x, cos, sin)
     rotary_dim = cos.shape[-1]
     rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
     half = rotary_dim // 2
@@ -90,6 +101,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
+        dev = kernels_for(x)
+        if dev is not None:
+            return self.down_proj(dev.silu_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

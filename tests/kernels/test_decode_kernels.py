@@ -357,3 +357,33 @@ def test_gpu_timings(capsys):
     lines.append(f"paged attention B=1 T=1 L=4096: {us:.2f} us")
     with capsys.disabled():
         print("\n" + "\n".join(lines))
+
+
+def test_gdn_step_computes_the_gates_from_raw_projections():
+    """gates=(a, b, A_log, dt_bias): the model's beta and g, computed in the kernel."""
+    import torch.nn.functional as F
+
+    from kernels.gdn_decode import fused_recurrent_gated_delta_rule
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g0 = torch.Generator(device=dev).manual_seed(3)
+    B, T, Hk, Hv, D = 2, 3, 1, 2, 16
+    q = F.normalize(torch.randn(B, T, Hk, D, device=dev, generator=g0), dim=-1)
+    k = F.normalize(torch.randn(B, T, Hk, D, device=dev, generator=g0), dim=-1)
+    v = torch.randn(B, T, Hv, D, device=dev, generator=g0)
+    ab = torch.randn(B, T, 2 * Hv, device=dev, generator=g0) * 4  # strided views, some > 20
+    ab[0, 0, 0] = 25.0
+    a, b = ab[..., :Hv], ab[..., Hv:]
+    a_log, dt_bias = torch.randn(Hv, device=dev) * 0.5, torch.randn(Hv, device=dev)
+    beta = torch.sigmoid(b)
+    g = -a_log.exp() * F.softplus(a + dt_bias)
+    state = torch.randn(B, Hv, D, D, device=dev) * 0.1
+    want_s = state.clone()
+    want = fused_recurrent_gated_delta_rule(q, k, v, g, beta, want_s)
+    got_s = state.clone()
+    got = fused_recurrent_gated_delta_rule(q, k, v, None, None, got_s,
+                                           gates=(a, b, a_log, dt_bias))
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+    assert torch.allclose(got_s, want_s, atol=1e-5, rtol=1e-4)
+    swapped = fused_recurrent_gated_delta_rule(q, k, v, None, None, state.clone(),
+                                               gates=(b, a, a_log, dt_bias))
+    assert not torch.allclose(swapped, want, atol=1e-3)

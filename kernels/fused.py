@@ -1,0 +1,182 @@
+"""Fused elementwise kernels for the decode path, beside their torch references.
+
+A one-token step of a hybrid model is hundreds of tiny kernels when each torch op is its
+own: the norms alone are eight each (casts, square, mean, rsqrt, scale, cast back). These
+do each chain in one pass over rows of the last axis, rounding where the torch chain rounds
+(to the input's dtype after each op that torch computes in it), so they agree with the
+references below to the last bit of the arithmetic they share.
+
+- `rms_norm(x, w, eps, offset, residual)`: y = x / rms(x) * (offset + w) in float32, cast
+  back (offset 1: the zero-centred norms; 0: a plain weight); with `residual`, first
+  h = residual + x in x's dtype, and (y, h) is returned.
+- `gated_rms_norm(x, z, w, eps)`: the GDN output norm, (w * rms-normed x) * silu(z).
+- `silu_mul(g, u)`: SwiGLU's silu(g) * u.  `sigmoid_mul(x, g)`: x * sigmoid(g).
+- `rope(x, cos, sin)`: the half-split rotary embedding on the first cos.shape[-1] channels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+def _rows(x: Tensor) -> Tensor:
+    """x as [rows, D] with a unit last stride (a copy only when it cannot be a view)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, D, s_x, s_r, s_y, s_h, eps, offset,
+                     BD: tl.constexpr, RESIDUAL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BD)
+    m = cols < D
+    x = tl.load(x_ptr + row * s_x + cols, mask=m, other=0.0)
+    if RESIDUAL:  # h = residual + x, rounded to the input dtype as torch's add is
+        x = (tl.load(r_ptr + row * s_r + cols, mask=m, other=0.0).to(tl.float32)
+             + x.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(h_ptr + row * s_h + cols, x, mask=m)
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * s_y + cols, (xf * inv * (offset + w)).to(y_ptr.dtype.element_ty),
+             mask=m)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 1.0,
+             residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    D = x.shape[-1]
+    x2 = _rows(x)
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    r2 = _rows(residual) if residual is not None else x2
+    h = torch.empty_like(y) if residual is not None else y
+    _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, h, D, x2.stride(0), r2.stride(0),
+                                     y.stride(0), h.stride(0), eps, offset,
+                                     BD=triton.next_power_of_2(D),
+                                     RESIDUAL=residual is not None)
+    if residual is None:
+        return y.view(x.shape)
+    return y.view(x.shape), h.view(x.shape)
+
+
+def rms_norm_reference(x, weight, eps, offset=1.0, residual=None):
+    h = x if residual is None else residual + x
+    wide = torch.promote_types(x.dtype, torch.float32)
+    hf = h.to(wide)
+    y = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+         * (offset + weight.to(wide))).to(x.dtype)
+    return y if residual is None else (y, h)
+
+
+@triton.jit
+def _gated_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, D, s_x, s_z, s_y, eps, BD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BD)
+    m = cols < D
+    dt = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * s_x + cols, mask=m, other=0.0).to(tl.float32)
+    normed = (x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)).to(dt)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0)
+    scaled = (w.to(tl.float32) * normed.to(tl.float32)).to(dt).to(tl.float32)
+    z = tl.load(z_ptr + row * s_z + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * s_y + cols, (scaled * z * tl.sigmoid(z)).to(dt), mask=m)
+
+
+def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
+    D = x.shape[-1]
+    x2, z2 = _rows(x), _rows(z)
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    _gated_norm_kernel[(x2.shape[0],)](x2, z2, weight, y, D, x2.stride(0), z2.stride(0),
+                                       y.stride(0), eps, BD=triton.next_power_of_2(D))
+    return y.view(x.shape)
+
+
+def gated_rms_norm_reference(x, z, weight, eps):
+    wide = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(wide)
+    normed = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (normed * F.silu(z.to(wide))).to(x.dtype)
+
+
+@triton.jit
+def _gate_mul_kernel(a_ptr, b_ptr, y_ptr, D, s_a, s_b, s_y, BD: tl.constexpr,
+                     SILU: tl.constexpr):
+    row, blk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    cols = blk * BD + tl.arange(0, BD)
+    m = cols < D
+    dt = a_ptr.dtype.element_ty
+    a = tl.load(a_ptr + row * s_a + cols, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + row * s_b + cols, mask=m, other=0.0).to(tl.float32)
+    if SILU:  # silu(a) * b: silu rounds to the dtype first, as torch's does
+        y = (a * tl.sigmoid(a)).to(dt).to(tl.float32) * b
+    else:     # a * sigmoid(b)
+        y = a * tl.sigmoid(b).to(dt).to(tl.float32)
+    tl.store(y_ptr + row * s_y + cols, y.to(dt), mask=m)
+
+
+def _gate_mul(a: Tensor, b: Tensor, silu: bool) -> Tensor:
+    D = a.shape[-1]
+    a2, b2 = _rows(a), _rows(b)
+    y = torch.empty(a2.shape, dtype=a.dtype, device=a.device)
+    BD = min(1024, triton.next_power_of_2(D))
+    _gate_mul_kernel[(a2.shape[0], triton.cdiv(D, BD))](a2, b2, y, D, a2.stride(0),
+                                                         b2.stride(0), y.stride(0), BD=BD,
+                                                         SILU=silu)
+    return y.view(a.shape)
+
+
+def silu_mul(g: Tensor, u: Tensor) -> Tensor:
+    return _gate_mul(g, u, silu=True)
+
+
+def sigmoid_mul(x: Tensor, g: Tensor) -> Tensor:
+    return _gate_mul(x, g, silu=False)
+
+
+def silu_mul_reference(g, u):
+    return F.silu(g) * u
+
+
+def sigmoid_mul_reference(x, g):
+    return x * torch.sigmoid(g)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, D, s_x, s_c, s_y,
+                 R: tl.constexpr, BD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # one (position, head): cos/sin are per position
+    pos = row // H
+    cols = tl.arange(0, BD)
+    m = cols < D
+    dt = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * s_x + cols, mask=m, other=0.0)
+    rot = cols < R
+    half: tl.constexpr = R // 2
+    partner = tl.where(cols < half, cols + half, cols - half)
+    other = tl.load(x_ptr + row * s_x + partner, mask=rot, other=0.0).to(tl.float32)
+    other = tl.where(cols < half, -other, other)  # rotate_half: [-x2, x1]
+    c = tl.load(cos_ptr + pos * s_c + cols, mask=rot, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + pos * s_c + cols, mask=rot, other=0.0).to(tl.float32)
+    a = (x.to(tl.float32) * c).to(dt).to(tl.float32)
+    b = (other * s).to(dt).to(tl.float32)
+    y = tl.where(rot, (a + b).to(dt), x)
+    tl.store(y_ptr + row * s_y + cols, y, mask=m)
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, T, H, D]; cos, sin [B, T, R] (R even, <= D): `apply_rope` in one pass."""
+    B, T, H, D = x.shape
+    R = cos.shape[-1]
+    x2 = _rows(x)
+    c2, s2 = _rows(cos), _rows(sin)
+    if c2.stride(0) != s2.stride(0):
+        s2 = s2.contiguous().view(c2.shape) if c2.is_contiguous() else s2
+        c2, s2 = c2.contiguous(), s2.contiguous()
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    _rope_kernel[(x2.shape[0],)](x2, c2, s2, y, H, D, x2.stride(0), c2.stride(0), y.stride(0),
+                                 R=R, BD=triton.next_power_of_2(D))
+    return y.view(x.shape)
