@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from kernels import kernels_for
 
 from .config import ModelConfig
-from .layers import RMSNorm, apply_rope, compute_dtype
+from .layers import RMSNorm, apply_rope, compute_dtype, packed_weight
 
 
 class KVStore(Protocol):
@@ -91,10 +91,18 @@ class GatedAttention(nn.Module):
         [0, max position] with a per-row causal mask by position."""
         B, T, _ = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q_and_gate = self.q_proj(x).view(B, T, H, 2 * D)
+        if kernels_for(x) is not None:  # the three projections as one GEMM
+            parts = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+            y = F.linear(x, packed_weight(self, "_qkv", parts, lambda: torch.cat(parts)))
+            nq, nk = 2 * H * D, Hkv * D
+            q_and_gate = y[..., :nq].view(B, T, H, 2 * D)
+            k = y[..., nq:nq + nk].view(B, T, Hkv, D)
+            v = y[..., nq + nk:].view(B, T, Hkv, D)
+        else:
+            q_and_gate = self.q_proj(x).view(B, T, H, 2 * D)
+            k = self.k_proj(x).view(B, T, Hkv, D)
+            v = self.v_proj(x).view(B, T, Hkv, D)
         q, gate = q_and_gate[..., :D], q_and_gate[..., D:]  # q: [B, T, H, D], gate likewise
-        k = self.k_proj(x).view(B, T, Hkv, D)
-        v = self.v_proj(x).view(B, T, Hkv, D)
         cos, sin = cos_sin
         q = apply_rope(self.q_norm(q), cos, sin)
         k = apply_rope(self.k_norm(k), cos, sin)

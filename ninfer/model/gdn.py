@@ -16,7 +16,7 @@ from kernels.gdn_reference import (
 )
 
 from .config import ModelConfig
-from .layers import GatedRMSNorm, compute_dtype
+from .layers import GatedRMSNorm, compute_dtype, packed_weight
 
 
 @dataclass(frozen=True)
@@ -112,6 +112,11 @@ class GatedDeltaNet(nn.Module):
         z [B, T, Hv, Dv], b, a [B, T, Hv]."""
         B, T, _ = x.shape
         Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        if kernels_for(x) is not None:  # one GEMM into [q | k | v | z | b | a], views of it
+            y = F.linear(x, self._packed())
+            C, vd = 2 * Hk * Dk + Hv * Dv, Hv * Dv
+            return (y[..., :C], y[..., C:C + vd].view(B, T, Hv, Dv),
+                    y[..., C + vd:C + vd + Hv], y[..., C + vd + Hv:])
         if self.family == "qwen3_5":
             z = self.in_proj_z(x).view(B, T, Hv, Dv)
             return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
@@ -123,6 +128,23 @@ class GatedDeltaNet(nn.Module):
         # value head kh * r + j belongs to key head kh: flattening keeps that order
         qkv = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
         return qkv, z.reshape(B, T, Hv, Dv), b.reshape(B, T, Hv), a.reshape(B, T, Hv)
+
+    def _packed(self) -> Tensor:
+        """The input projections as one weight, rows in `_project`'s output order."""
+        Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        if self.family == "qwen3_5":
+            parts = [self.in_proj_qkv.weight, self.in_proj_z.weight, self.in_proj_b.weight,
+                     self.in_proj_a.weight]
+            return packed_weight(self, "_packed_in", parts, lambda: torch.cat(parts))
+        r = Hv // Hk
+        qkvz, ba = self.in_proj_qkvz.weight, self.in_proj_ba.weight
+
+        def build() -> Tensor:
+            g = qkvz.view(Hk, 2 * Dk + 2 * r * Dv, -1)  # per key head: q, k, v (r), z (r)
+            q, k, v, z = g.split([Dk, Dk, r * Dv, r * Dv], dim=1)
+            b, a = ba.view(Hk, 2 * r, -1).split([r, r], dim=1)
+            return torch.cat([t.reshape(-1, qkvz.shape[-1]) for t in (q, k, v, z, b, a)])
+        return packed_weight(self, "_packed_in", [qkvz, ba], build)
 
     def forward(self, x: Tensor, state: GDNState | SlotGDNState, all_states: bool = False,
                 chunk_size: int = 64) -> tuple[Tensor, GDNState | SlotGDNState]:

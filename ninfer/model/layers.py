@@ -21,6 +21,19 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
+def packed_weight(module: nn.Module, name: str, sources: list[Tensor], build) -> Tensor:
+    """A weight packed from `sources` by `build()` (one GEMM where the checkpoint has
+    several), kept on `module` outside its state dict and rebuilt when a source changes.
+    The device path uses it; the checkpoint-named parameters stay as they are."""
+    key = tuple((t.data_ptr(), t._version) for t in sources)
+    cached = module.__dict__.get(name)
+    if cached is None or cached[0] != key:
+        with torch.no_grad():
+            cached = (key, build().contiguous())
+        module.__dict__[name] = cached
+    return cached[1]
+
+
 def _rms(x: Tensor, eps: float) -> Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
@@ -102,8 +115,12 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         dev = kernels_for(x)
-        if dev is not None:
-            return self.down_proj(dev.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        if dev is not None:  # gate and up in one GEMM, silu * mul in one kernel
+            g, u = self.gate_proj.weight, self.up_proj.weight
+            w = packed_weight(self, "_gate_up", [g, u], lambda: torch.cat([g, u]))
+            y = F.linear(x, w)
+            n = g.shape[0]
+            return self.down_proj(dev.silu_mul(y[..., :n], y[..., n:]))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -81,3 +81,29 @@ def test_a_one_token_step_updates_only_its_lanes_slots(on_cpu):
             untouched = [s for s in range(6) if s not in (4, 1)]
             assert torch.equal(pool[untouched], old[untouched])
     assert c.linear_layers
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_packed_projections_equal_the_checkpoints_layout(family, monkeypatch):
+    """The device path's one GEMM into [q | k | v | z | b | a] gives what the checkpoint's
+    projections give, in either family's packing; a weight changed in place is repacked."""
+    from ninfer.model.gdn import GatedDeltaNet
+    from ninfer.model.tiny import tiny_config
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(tiny_config(family))
+    for p in layer.parameters():
+        p.data.normal_()
+    x = torch.randn(2, 3, layer.in_proj_ba.in_features if family == "qwen3_next"
+                    else layer.in_proj_a.in_features)
+    want = layer._project(x)
+    monkeypatch.setattr(kernels, "INTERPRET_ON_CPU", True)
+    got = layer._project(x)
+    for a, b in zip(got, want, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+    proj = layer.in_proj_ba if family == "qwen3_next" else layer.in_proj_b
+    with torch.no_grad():
+        proj.weight.mul_(2)
+    monkeypatch.setattr(kernels, "INTERPRET_ON_CPU", False)
+    want = layer._project(x)
+    monkeypatch.setattr(kernels, "INTERPRET_ON_CPU", True)
+    assert torch.allclose(layer._project(x)[2], want[2], atol=1e-5)  # repacked
