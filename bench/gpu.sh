@@ -28,7 +28,7 @@ status=0
 for stage in $stages; do
     case $stage in
     kernels)
-        python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/kernel-tests.txt" | tail -25
+        python3 -m pytest -q -p no:cacheprovider tests/kernels tests/model/test_cuda_engine.py 2>&1 | tee "$OUT/kernel-tests.txt" | tail -25
         [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
         python3 -c "from ninfer.bench.kernels import main; raise SystemExit(main('$OUT/kernels-h200.json'))" || status=1
         ;;
