@@ -1,5 +1,6 @@
 """A tiny random hybrid model in float64, built once per test session (CPU, milliseconds)."""
 
+import copy
 import functools
 
 import torch
@@ -34,9 +35,12 @@ def torch_factory(num_blocks: int, block_size: int, num_slots: int) -> TorchMode
 
 
 @torch.inference_mode()
-def reference(tokens, max_tokens: int):
-    """A plain Root run: greedy tokens and, at each, the gap between the top two logits."""
-    model = torch_factory(4, 4, 2)
+def reference(tokens, max_tokens: int, net=None):
+    """A plain Root run in float64 on the CPU (of `net`'s weights, default the float64 tiny
+    net): greedy tokens and, at each, the gap between the top two logits."""
+    model = torch_factory(4, 4, 2) if net is None else TorchModel(
+        copy.deepcopy(net).to("cpu", torch.float64), num_blocks=4, block_size=4,
+        num_slots=2, identity="reference")
     out = model.reference_generate(tokens, max_tokens)
     gaps = []
     seq = list(tokens)
