@@ -4,7 +4,7 @@
 # /tmp/site (never the project's pins), then runs the kernel tests on real shapes and the
 # benchmarks, writing JSON results to $OUT (or bench/results/ when OUT is unset).
 #
-#   bench/gpu.sh [kernels] [engine] [baseline]     (default: all three)
+#   bench/gpu.sh [kernels] [engine] [baseline] [skinny]   (default: the first three)
 #
 # Wheels to carry (fetched on a machine with network, see bench/README.md): fla-core,
 # transitions, sqlite-utils, sqlite-fts4, click-default-group.
@@ -34,6 +34,9 @@ for stage in $stages; do
         ;;
     engine)
         python3 -c "from ninfer.bench.gpu_engine import main; raise SystemExit(main('$OUT/engine-h200.json'))" || status=1
+        ;;
+    skinny)  # the skinny GEMMs against F.linear, and the model step without/with them
+        python3 -m ninfer.bench.skinny "$OUT/skinny-h200.json" || status=1
         ;;
     baseline)
         python3 -c "from ninfer.bench.gpu_engine import baseline; raise SystemExit(baseline('$OUT/baseline-h200.json'))" || status=1

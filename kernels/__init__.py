@@ -15,11 +15,11 @@ from .gdn_reference import (
 
 @functools.cache
 def device_kernels() -> SimpleNamespace | None:
-    """The Triton kernels (conv, chunk, step, attention and the fused elementwise ones), or
-    None where Triton is missing.
+    """The Triton kernels (conv, chunk, step, attention, the fused elementwise ones and the
+    skinny GEMMs with their prologues and epilogues), or None where Triton is missing.
     Callers use them for CUDA tensors only (on the CPU they run only in the interpreter)."""
     try:
-        from . import fused
+        from . import fused, skinny
         from .conv1d import causal_conv1d_update as conv
         from .gdn_chunk import chunk_gated_delta_rule as chunk
         from .gdn_decode import fused_recurrent_gated_delta_rule as step
@@ -29,7 +29,10 @@ def device_kernels() -> SimpleNamespace | None:
     return SimpleNamespace(conv=conv, chunk=chunk, step=step, attention=attention,
                            rms_norm=fused.rms_norm, gated_rms_norm=fused.gated_rms_norm,
                            silu_mul=fused.silu_mul, sigmoid_mul=fused.sigmoid_mul,
-                           rope=fused.rope)
+                           rope=fused.rope, linear=skinny.linear,
+                           norm_linear=skinny.norm_linear,
+                           gated_norm_linear=skinny.gated_norm_linear,
+                           gate_linear=skinny.gate_linear)
 
 
 # Tests set this (with TRITON_INTERPRET=1) to run the model's kernel paths on CPU tensors
@@ -45,5 +48,18 @@ def kernels_for(x) -> SimpleNamespace | None:
     return device_kernels()
 
 
+# GEMMs of up to this many rows (B * T) take the skinny kernels, their neighbours folded in;
+# more rows (prefill) take cuBLAS. 0 turns them off (the benchmark's "before"); at most 8.
+SKINNY_ROWS = 8
+
+
+def skinny_for(x) -> SimpleNamespace | None:
+    """`kernels_for(x)` where x [..., K] has at most SKINNY_ROWS rows, else None."""
+    dev = kernels_for(x)
+    if dev is None or x.numel() > SKINNY_ROWS * x.shape[-1]:
+        return None
+    return dev
+
+
 __all__ = ["causal_conv1d_update", "chunk_gated_delta_rule", "device_kernels", "kernels_for",
-           "recurrent_gated_delta_rule"]
+           "recurrent_gated_delta_rule", "skinny_for"]

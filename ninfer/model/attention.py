@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels import kernels_for
+from kernels import kernels_for, skinny_for
 
 from .config import ModelConfig
 from .layers import RMSNorm, apply_rope, compute_dtype, packed_weight
@@ -85,15 +85,23 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(D, config.rms_norm_eps)
 
     def forward(self, x: Tensor, positions: Tensor, cos_sin: tuple[Tensor, Tensor], kv: KVStore,
-                layer: int) -> Tensor:
+                layer: int, norm: RMSNorm | None = None,
+                residual: Tensor | None = None) -> Tensor:
         """x [B, T, hidden], positions [B, T], cos_sin from `rope_cos_sin` -> [B, T, hidden]. Writes
         this layer's K, V at `positions` into `kv` under key `layer`, then attends over
-        [0, max position] with a per-row causal mask by position."""
+        [0, max position] with a per-row causal mask by position. `norm`: x is normed by it
+        first; `residual`: it is added to the output (on the decode path, `skinny_for`, each
+        folds into the projection GEMM beside it)."""
         B, T, _ = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        skinny = skinny_for(x)
+        if norm is not None and skinny is None:
+            x = norm(x)
         if kernels_for(x) is not None:  # the three projections as one GEMM
             parts = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
-            y = F.linear(x, packed_weight(self, "_qkv", parts, lambda: torch.cat(parts)))
+            w = packed_weight(self, "_qkv", parts, lambda: torch.cat(parts))
+            y = F.linear(x, w) if skinny is None else skinny.linear(x, w) if norm is None \
+                else skinny.norm_linear(x, norm.weight, norm.eps, w)
             nq, nk = 2 * H * D, Hkv * D
             q_and_gate = y[..., :nq].view(B, T, H, 2 * D)
             k = y[..., nq:nq + nk].view(B, T, Hkv, D)
@@ -112,9 +120,12 @@ class GatedAttention(nn.Module):
         out = attend(layer, q, positions) if attend is not None else None
         if out is None:
             out = self._attend(x, q, positions, kv, layer)
+        if skinny is not None:  # the gate, o_proj and the residual in one kernel
+            return skinny.gate_linear(out.contiguous(), gate, self.o_proj.weight, residual)
         dev = kernels_for(out)
         out = dev.sigmoid_mul(out, gate) if dev is not None else out * torch.sigmoid(gate)
-        return self.o_proj(out.reshape(B, T, H * D))
+        out = self.o_proj(out.reshape(B, T, H * D))
+        return out if residual is None else residual + out
 
     def _attend(self, x: Tensor, q: Tensor, positions: Tensor, kv: KVStore,
                 layer: int) -> Tensor:

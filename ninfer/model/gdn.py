@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels import kernels_for
+from kernels import kernels_for, skinny_for
 from kernels.gdn_reference import (
     causal_conv1d_update,
     chunk_gated_delta_rule,
@@ -16,7 +16,7 @@ from kernels.gdn_reference import (
 )
 
 from .config import ModelConfig
-from .layers import GatedRMSNorm, compute_dtype, packed_weight
+from .layers import GatedRMSNorm, RMSNorm, compute_dtype, packed_weight
 
 
 @dataclass(frozen=True)
@@ -107,13 +107,19 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(c.linear_value_head_dim, c.rms_norm_eps)
         self.out_proj = nn.Linear(vd, h, bias=False)
 
-    def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """x [B, T, hidden] -> qkv [B, T, conv_dim] (q, k, v flat, in that order),
-        z [B, T, Hv, Dv], b, a [B, T, Hv]."""
+    def _project(self, x: Tensor, norm: RMSNorm | None = None,
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x [B, T, hidden] (normed by `norm` first, if given) -> qkv [B, T, conv_dim]
+        (q, k, v flat, in that order), z [B, T, Hv, Dv], b, a [B, T, Hv]."""
         B, T, _ = x.shape
         Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        skinny = skinny_for(x)
+        if norm is not None and skinny is None:
+            x = norm(x)
         if kernels_for(x) is not None:  # one GEMM into [q | k | v | z | b | a], views of it
-            y = F.linear(x, self._packed())
+            w = self._packed()
+            y = F.linear(x, w) if skinny is None else skinny.linear(x, w) if norm is None \
+                else skinny.norm_linear(x, norm.weight, norm.eps, w)
             C, vd = 2 * Hk * Dk + Hv * Dv, Hv * Dv
             return (y[..., :C], y[..., C:C + vd].view(B, T, Hv, Dv),
                     y[..., C + vd:C + vd + Hv], y[..., C + vd + Hv:])
@@ -147,21 +153,24 @@ class GatedDeltaNet(nn.Module):
         return packed_weight(self, "_packed_in", [qkvz, ba], build)
 
     def forward(self, x: Tensor, state: GDNState | SlotGDNState, all_states: bool = False,
-                chunk_size: int = 64) -> tuple[Tensor, GDNState | SlotGDNState]:
+                chunk_size: int = 64, norm: RMSNorm | None = None,
+                residual: Tensor | None = None) -> tuple[Tensor, GDNState | SlotGDNState]:
         """x [B, T, hidden] continuing from `state` (the state at the first token's
         position) -> (y [B, T, hidden], new state). The new state is the state after the
         last token, or with `all_states` the per-position state (see GDNState). A
         `GDNState` is not modified; a `SlotGDNState` is updated in place by a one-token
         forward on the GPU (and returned), read as a copy otherwise. On a GPU the Triton
-        kernels compute what the torch references compute."""
+        kernels compute what the torch references compute. `norm`: x is normed by it
+        first; `residual`: y is residual + the layer's output (on the decode path,
+        `skinny_for`, each folds into the projection GEMM beside it)."""
         B, T, _ = x.shape
         Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         dev = kernels_for(x)
         if isinstance(state, SlotGDNState):
             if dev is not None and T == 1 and not all_states:
-                return self._step_in_place(x, state, dev), state
+                return self._step_in_place(x, state, dev, norm, residual), state
             state = state.gather()
-        qkv, z, b, a = self._project(x)
+        qkv, z, b, a = self._project(x, norm)
         weight = self.conv1d.weight.squeeze(1)
         if dev is not None:  # the kernel writes the tail into the state it gets: a copy
             conv_out, conv_tail = dev.conv(qkv.transpose(1, 2), state.conv.clone(), weight,
@@ -185,9 +194,18 @@ class GatedDeltaNet(nn.Module):
         else:
             o, recurrent = chunk_gated_delta_rule(
                 q, k, v, g, beta, initial_state=state.recurrent, chunk_size=chunk_size)
-        o = self.norm(o, z)  # [B, T, Hv, Dv]
-        y = self.out_proj(o.reshape(B, T, Hv * Dv))
+        y = self._out(o, z, residual)
         return y, GDNState(conv_tail, recurrent.to(state.recurrent.dtype))
+
+    def _out(self, o: Tensor, z: Tensor, residual: Tensor | None) -> Tensor:
+        """o, z [B, T, Hv, Dv] -> out_proj(gated norm(o, z)) (+ residual) [B, T, hidden]."""
+        B, T, Hv, Dv = o.shape
+        skinny = skinny_for(o.reshape(B, T, Hv * Dv))
+        if skinny is not None:  # the norm, out_proj and the residual in one kernel
+            return skinny.gated_norm_linear(o, z, self.norm.weight, self.norm.eps,
+                                            self.out_proj.weight, residual)
+        y = self.out_proj(self.norm(o, z).reshape(B, T, Hv * Dv))
+        return y if residual is None else residual + y
 
     def _gates(self, b: Tensor, a: Tensor, wide: torch.dtype) -> tuple[Tensor, Tensor]:
         """beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), in `wide`."""
@@ -206,11 +224,12 @@ class GatedDeltaNet(nn.Module):
             return dev.step(q, k, v, g, beta, recurrent), recurrent
         return dev.chunk(q, k, v, g, beta, initial_state=state.recurrent)
 
-    def _step_in_place(self, x: Tensor, state: SlotGDNState, dev) -> Tensor:
+    def _step_in_place(self, x: Tensor, state: SlotGDNState, dev, norm: RMSNorm | None,
+                       residual: Tensor | None) -> Tensor:
         """One token per lane, the conv tail and recurrent matrix updated in their slots."""
         B = x.shape[0]
         Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
-        qkv, z, b, a = self._project(x)  # qkv: [B, 1, conv_dim]
+        qkv, z, b, a = self._project(x, norm)  # qkv: [B, 1, conv_dim]
         conv_out, _ = dev.conv(qkv.transpose(1, 2), state.conv_pool,
                                self.conv1d.weight.squeeze(1), activation="silu",
                                state_indices=state.slots)
@@ -218,5 +237,4 @@ class GatedDeltaNet(nn.Module):
         o = dev.step(q.reshape(B, 1, Hk, Dk), k.reshape(B, 1, Hk, Dk), v.reshape(B, 1, Hv, Dv),
                      None, None, state.rec_pool, state_indices=state.slots, use_qk_l2norm=True,
                      gates=(a, b, self.A_log, self.dt_bias))
-        o = self.norm(o, z)  # [B, 1, Hv, Dv]
-        return self.out_proj(o.reshape(B, 1, Hv * Dv))
+        return self._out(o, z, residual)  # o: [B, 1, Hv, Dv]

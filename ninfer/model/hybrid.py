@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels import kernels_for
+from kernels import kernels_for, skinny_for
 
 from .attention import ContiguousKV, GatedAttention, KVStore
 from .config import ModelConfig
@@ -76,6 +76,8 @@ class DecoderLayer(nn.Module):
                 kv: KVStore, kv_layer: int, gdn: GDNState | None, all_states: bool = False,
                 ) -> tuple[Tensor, GDNState | None]:
         """h [B, T, hidden] -> (h, new GDN state or None for an attention layer)."""
+        if skinny_for(h) is not None and isinstance(self.mlp, MLP):
+            return self._decode(h, positions, cos_sin, kv, kv_layer, gdn, all_states)
         x = self.input_layernorm(h)
         if self.layer_type == "full_attention":
             mixed, new_gdn = self.self_attn(x, positions, cos_sin, kv, kv_layer), None
@@ -90,6 +92,21 @@ class DecoderLayer(nn.Module):
         h = h + mixed
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, new_gdn
+
+    def _decode(self, h: Tensor, positions: Tensor, cos_sin: tuple[Tensor, Tensor],
+                kv: KVStore, kv_layer: int, gdn: GDNState | None, all_states: bool,
+                ) -> tuple[Tensor, GDNState | None]:
+        """`forward` for a few rows on the device: each norm runs inside the GEMM after it,
+        each residual add inside the GEMM before it (four GEMM kernels and the mixer's own
+        in between, no norm or add kernel)."""
+        norm = self.input_layernorm
+        if self.layer_type == "full_attention":
+            h, new_gdn = self.self_attn(h, positions, cos_sin, kv, kv_layer, norm=norm,
+                                        residual=h), None
+        else:
+            assert gdn is not None, "a GDN layer needs its state"
+            h, new_gdn = self.linear_attn(h, gdn, all_states=all_states, norm=norm, residual=h)
+        return self.mlp(h, norm=self.post_attention_layernorm, residual=h), new_gdn
 
 
 class Decoder(nn.Module):
@@ -128,9 +145,13 @@ class HybridModel(nn.Module):
 
     def lm_logits(self, hidden: Tensor) -> Tensor:
         """The shared output head: hidden [.., hidden] (already final-normed) -> [.., V]."""
-        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings \
+        skinny = skinny_for(hidden)
+        return F.linear(hidden, self._head_weight()) if skinny is None \
+            else skinny.linear(hidden, self._head_weight())
+
+    def _head_weight(self) -> Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings \
             else self.lm_head.weight
-        return F.linear(hidden, weight)
 
     def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         c = self.config
@@ -149,10 +170,17 @@ class HybridModel(nn.Module):
             h, s = layer(h, positions, cos_sin, state.kv, i, state.gdn.get(i), all_states)
             if s is not None:
                 new_gdn[i] = s
-        hidden = self.model.norm(h)
+        skinny = skinny_for(h) if logits else None
+        if skinny is not None:  # the final norm inside the head's GEMM, which writes it out
+            norm = self.model.norm
+            out, hidden = skinny.norm_linear(h, norm.weight, norm.eps, self._head_weight(),
+                                             normed=True)
+        else:
+            hidden = self.model.norm(h)
+            out = self.lm_logits(hidden) if logits else None
         final = {i: s.pick(-1) for i, s in new_gdn.items()} if all_states else new_gdn
-        return ForwardOutput(self.lm_logits(hidden) if logits else None, hidden,
-                             HybridState(final, state.kv), new_gdn if all_states else None)
+        return ForwardOutput(out, hidden, HybridState(final, state.kv),
+                             new_gdn if all_states else None)
 
     def mtp_forward(self, hidden: Tensor, next_ids: Tensor, positions: Tensor, kv: KVStore,
                     step: int = 0) -> MTPOutput:

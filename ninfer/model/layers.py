@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels import kernels_for
+from kernels import kernels_for, skinny_for
 
 from .config import ModelConfig
 
@@ -113,15 +113,28 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, norm: RMSNorm | None = None,
+                residual: Tensor | None = None) -> Tensor:
+        """x [..., hidden] -> [..., hidden]. `norm`: x is normed by it first; `residual`: it
+        is added to the output. On the decode path (`skinny_for`) both fold into the GEMMs:
+        norm -> gate/up -> silu * up in one kernel, down + residual in another."""
         dev = kernels_for(x)
-        if dev is not None:  # gate and up in one GEMM, silu * mul in one kernel
+        if dev is not None:
             g, u = self.gate_proj.weight, self.up_proj.weight
             w = packed_weight(self, "_gate_up", [g, u], lambda: torch.cat([g, u]))
+        if dev is not None and skinny_for(x) is not None:
+            act = dev.linear(x, w, glu=True) if norm is None else \
+                dev.norm_linear(x, norm.weight, norm.eps, w, glu=True)
+            return dev.linear(act, self.down_proj.weight, residual)
+        if norm is not None:
+            x = norm(x)
+        if dev is not None:  # gate and up in one GEMM, silu * mul in one kernel
             y = F.linear(x, w)
             n = g.shape[0]
-            return self.down_proj(dev.silu_mul(y[..., :n], y[..., n:]))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            y = self.down_proj(dev.silu_mul(y[..., :n], y[..., n:]))
+        else:
+            y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return y if residual is None else residual + y
 
 
 class SparseMoE(nn.Module):

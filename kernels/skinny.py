@@ -1,0 +1,306 @@
+"""Skinny GEMMs for the decode path: y[M, N] = x[M, K] @ W[N, K]^T for a few rows (M <= 8),
+with the small kernels on either side folded in, beside their torch references.
+
+A decode step's GEMM reads its whole weight to make one to eight rows: it is bound by the
+weight's bytes, and cuBLAS, tiled for many rows, reaches about a third of the bandwidth.
+Here a program owns BN output columns (W rows) and streams them once, in BK-wide chunks,
+accumulating in float32: with one row as broadcast multiply-adds reduced at the end, with
+more rows as a tensor-core dot of the rows padded to 16. Where N is small (the projections
+back to the hidden size) the K axis is split over SPLIT programs too, which add their
+partial sums into a float32 workspace; the last to arrive (a counter per column block)
+takes the sum, applies the epilogue, and leaves the workspace and counter at zero again.
+
+What it folds in, each rounded where the torch chain rounds (to x's dtype after each op
+that torch computes in it), so the result is that chain's up to the GEMM's summation order:
+- prologue on x, recomputed by each program (x is a few KB and stays in L2):
+  `rms` the zero-centred RMSNorm of the row (`fused.rms_norm`), optionally written out
+  (the final norm's hidden state); `gated` the GDN output norm per head of HEAD channels,
+  with its gate z (`fused.gated_rms_norm`); `sigmoid` x * sigmoid(z), the attention output
+  gate (`fused.sigmoid_mul`). z is addressed per head (row stride, head stride), so it can
+  be a view into the packed in-projection's output.
+- epilogue: `glu` (W holds [gate; up], 2N rows: y = silu(x Wg^T) * (x Wu^T)), and
+  `residual` (y = r + y).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .fused import _rows
+
+NONE, RMS, GATED, SIGMOID = 0, 1, 2, 3
+MAX_ROWS = 8
+
+
+class Tiles(NamedTuple):
+    """How one call is cut: BN output columns and BK of the K axis per step, warps per
+    program, SPLIT programs along K, and whether the rows go through a tensor-core dot."""
+
+    bn: int
+    bk: int
+    warps: int = 4
+    split: int = 1
+    dot: bool = False
+
+
+# Measured tilings by (1 row or several, N, K, glu), ahead of the rules below: the
+# benchmark (`ninfer.bench.skinny`) fills it from its sweep to time the model with them
+TUNED: dict[tuple[bool, int, int, bool], Tiles] = {}
+
+
+def tiles_for(M: int, N: int, K: int, glu: bool, device: torch.device) -> Tiles:
+    """The tiling for an [M, K] x [N, K] call (measured on an H200: `ninfer.bench.skinny`)."""
+    tuned = TUNED.get((M == 1, N, K, glu))
+    if tuned is not None and device.type == "cuda":
+        return tuned
+    if device.type != "cuda":  # the interpreter: as few programs as fit, each one step
+        return Tiles(min(64, triton.next_power_of_2(N)), triton.next_power_of_2(K),
+                     dot=M > 1)
+    if M == 1:
+        if N <= 2048:  # the projections back to the hidden size: split K for programs
+            return Tiles(8, 512, 4, split=4 if K >= 2048 else 2)
+        return Tiles(8 if glu else 16, 512, 4)
+    if N <= 2048:
+        return Tiles(16, 256, 4, split=4, dot=True)
+    return Tiles(16, 256, 4, dot=True)
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cnt_ptr,
+                   M, N, K, s_x, s_w, s_y, s_r, s_z, s_zh, s_xn, eps, offset,
+                   PROLOGUE: tl.constexpr, HEAD: tl.constexpr, GLU: tl.constexpr,
+                   RESIDUAL: tl.constexpr, NORMED: tl.constexpr, BM: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+                   DOT: tl.constexpr, IEEE: tl.constexpr):
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    dt = y_ptr.dtype.element_ty
+    rows = tl.arange(0, BM)
+    rm = rows < M
+    ns = pid_n * BN + tl.arange(0, BN)
+    nm = ns < N
+    per = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK  # this program's share of K
+    k_lo = pid_k * per
+    k_hi = tl.minimum(k_lo + per, K)
+    if PROLOGUE == 1:  # the row's rms over all of K, whichever part this program reads
+        ss = tl.zeros([BM], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            xv = tl.load(x_ptr + rows[:, None] * s_x + ks[None, :],
+                         mask=rm[:, None] & (ks < K)[None, :], other=0.0).to(tl.float32)
+            ss += tl.sum(xv * xv, axis=1)
+        inv = tl.rsqrt(ss / K + eps)
+    if DOT:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        if GLU:
+            acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    else:  # one row: multiply-adds per element, reduced over K once at the end
+        acc = tl.zeros([BN, BK], dtype=tl.float32)
+        if GLU:
+            acc_u = tl.zeros([BN, BK], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        ks = k0 + tl.arange(0, BK)
+        km = ks < K
+        xm = rm[:, None] & km[None, :]
+        xv = tl.load(x_ptr + rows[:, None] * s_x + ks[None, :], mask=xm, other=0.0)
+        if PROLOGUE == 1:  # y = x / rms(x) * (offset + w), cast back
+            nw = tl.load(nw_ptr + ks, mask=km, other=0.0).to(tl.float32)
+            xv = (xv.to(tl.float32) * inv[:, None] * (offset + nw[None, :])).to(dt)
+            if NORMED:
+                tl.store(xn_ptr + rows[:, None] * s_xn + ks[None, :], xv,
+                         mask=xm & (rows * 0 + pid_n == 0)[:, None])  # (a tensor mask)
+        elif PROLOGUE == 2:  # per head: (w * (x / rms(x)).cast) .cast * silu(z)
+            xf = tl.reshape(xv.to(tl.float32), [BM, BK // HEAD, HEAD])
+            hinv = tl.rsqrt(tl.sum(xf * xf, axis=2) / HEAD + eps)
+            normed = tl.reshape((xf * hinv[:, :, None]).to(dt), [BM, BK]).to(tl.float32)
+            nw = tl.load(nw_ptr + ks % HEAD).to(tl.float32)
+            scaled = (nw[None, :] * normed).to(dt).to(tl.float32)
+            zv = tl.load(z_ptr + rows[:, None] * s_z + (ks // HEAD)[None, :] * s_zh
+                         + (ks % HEAD)[None, :], mask=xm, other=0.0).to(tl.float32)
+            xv = (scaled * zv * tl.sigmoid(zv)).to(dt)
+        elif PROLOGUE == 3:  # x * sigmoid(z), the sigmoid rounded first
+            zv = tl.load(z_ptr + rows[:, None] * s_z + (ks // HEAD)[None, :] * s_zh
+                         + (ks % HEAD)[None, :], mask=xm, other=0.0).to(tl.float32)
+            xv = (xv.to(tl.float32) * tl.sigmoid(zv).to(dt).to(tl.float32)).to(dt)
+        w_ptrs = w_ptr + ns[:, None] * s_w + ks[None, :]
+        wm = nm[:, None] & km[None, :]
+        wv = tl.load(w_ptrs, mask=wm, other=0.0)
+        if GLU:  # the up row n sits N rows below the gate row n
+            wu = tl.load(w_ptrs + N * s_w, mask=wm, other=0.0)
+        if DOT:
+            if IEEE:  # exact float32 products (the interpreter's bf16 dot reads raw bits)
+                xf = xv.to(tl.float32)
+                acc += tl.dot(xf, tl.trans(wv.to(tl.float32)), input_precision="ieee")
+                if GLU:
+                    acc_u += tl.dot(xf, tl.trans(wu.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(xv, tl.trans(wv))
+                if GLU:
+                    acc_u += tl.dot(xv, tl.trans(wu))
+        else:
+            acc += wv.to(tl.float32) * xv.to(tl.float32)
+            if GLU:
+                acc_u += wu.to(tl.float32) * xv.to(tl.float32)
+    if DOT:
+        y = acc
+        if GLU:
+            y_u = acc_u
+    else:
+        y = tl.sum(acc, axis=1)[None, :]  # [1, BN]
+        if GLU:
+            y_u = tl.sum(acc_u, axis=1)[None, :]
+    ym = rm[:, None] & nm[None, :]
+    if SPLIT > 1:  # add into the workspace; the last program of this column block goes on
+        ws = ws_ptr + rows[:, None] * N + ns[None, :]
+        tl.atomic_add(ws, y, mask=ym)
+        if GLU:
+            tl.atomic_add(ws + BM * N, y_u, mask=ym)
+        tl.debug_barrier()  # every thread's partial sums land before the count says so
+        count = tl.atomic_add(cnt_ptr + pid_n, 1)
+        last = (tl.zeros([BM, BN], dtype=tl.int32) + count) == SPLIT - 1
+        ym = ym & last
+        zero = tl.zeros([BM, BN], dtype=tl.float32)
+        y = tl.atomic_add(ws, zero, mask=ym)  # the sum, read where the adds landed (L2)
+        tl.store(ws, zero, mask=ym)  # zeros again for the next call
+        if GLU:
+            y_u = tl.atomic_add(ws + BM * N, zero, mask=ym)
+            tl.store(ws + BM * N, zero, mask=ym)
+        tl.atomic_xchg(cnt_ptr + pid_n, 0, mask=count == SPLIT - 1)
+    y = y.to(dt)
+    if GLU:  # silu(g) * u, silu rounded first as torch's is
+        g = y.to(tl.float32)
+        y = ((g * tl.sigmoid(g)).to(dt).to(tl.float32) * y_u.to(dt).to(tl.float32)).to(dt)
+    if RESIDUAL:
+        r = tl.load(r_ptr + rows[:, None] * s_r + ns[None, :], mask=ym, other=0.0)
+        y = (r.to(tl.float32) + y.to(tl.float32)).to(dt)
+    tl.store(y_ptr + rows[:, None] * s_y + ns[None, :], y, mask=ym)
+
+
+_workspaces: dict[torch.device, tuple[Tensor, Tensor]] = {}
+
+
+def _workspace(device: torch.device, floats: int, counters: int) -> tuple[Tensor, Tensor] | None:
+    """The zeroed float32 workspace and counters split-K calls share (each call leaves them
+    zero). Grown only outside a CUDA graph capture: None there when too small."""
+    ws, cnt = _workspaces.get(device, (None, None))
+    if ws is None or ws.numel() < floats or cnt.numel() < counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        floats = max(floats, ws.numel() if ws is not None else 0)
+        counters = max(counters, cnt.numel() if cnt is not None else 0)
+        ws = torch.zeros(floats, dtype=torch.float32, device=device)
+        cnt = torch.zeros(counters, dtype=torch.int32, device=device)
+        _workspaces[device] = (ws, cnt)
+    return ws, cnt
+
+
+def _launch(x: Tensor, w: Tensor, *, prologue: int = NONE, norm_weight: Tensor | None = None,
+            eps: float = 0.0, offset: float = 1.0, z: Tensor | None = None, head: int = 1,
+            glu: bool = False, residual: Tensor | None = None, normed: bool = False,
+            tiles: Tiles | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    K = x.shape[-1]
+    N = w.shape[0] // 2 if glu else w.shape[0]
+    x2 = _rows(x)
+    M = x2.shape[0]
+    if M > MAX_ROWS or w.shape[1] != K or w.stride(1) != 1:
+        raise ValueError(f"skinny GEMM takes up to {MAX_ROWS} rows of a unit-stride weight "
+                         f"with K={K}, got x {tuple(x.shape)}, w {tuple(w.shape)}")
+    t = tiles or tiles_for(M, N, K, glu, x.device)
+    if M > 1 or t.dot:  # several rows go through the dot, whose tiles are 16 or more
+        t = t._replace(dot=True, bn=max(t.bn, 16), bk=max(t.bk, 16))
+    if prologue == GATED:  # whole heads per step
+        t = t._replace(bk=max(t.bk, head))
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    xn = torch.empty(M, K, dtype=x.dtype, device=x.device) if normed else y
+    r2 = _rows(residual) if residual is not None else y
+    z2 = z.reshape(M, -1, head) if z is not None else x2.view(M, -1, 1)
+    BM = 16 if t.dot else 1
+    grid_n = triton.cdiv(N, t.bn)
+    ws = _workspace(x.device, 2 * BM * N, grid_n) if t.split > 1 else None
+    if t.split > 1 and ws is None:
+        t = t._replace(split=1)
+    ws, cnt = ws if ws is not None else (y, y)
+    _skinny_kernel[(grid_n, t.split)](
+        x2, w, y, r2, norm_weight if norm_weight is not None else w, z2, xn, ws, cnt,
+        M, N, K, x2.stride(0), w.stride(0), y.stride(0), r2.stride(0), z2.stride(0),
+        z2.stride(1), xn.stride(0), eps, offset,
+        PROLOGUE=prologue, HEAD=head, GLU=glu, RESIDUAL=residual is not None, NORMED=normed,
+        BM=BM, BN=t.bn, BK=t.bk, SPLIT=t.split, DOT=t.dot,
+        IEEE=x.dtype == torch.float32 or x.device.type != "cuda",
+        num_warps=t.warps)
+    y = y.view(*x.shape[:-1], N)
+    return (y, xn.view(x.shape)) if normed else y
+
+
+def linear(x: Tensor, w: Tensor, residual: Tensor | None = None, *, glu: bool = False,
+           tiles: Tiles | None = None) -> Tensor:
+    """x [..., K] @ w[N, K]^T (+ residual [..., N]), in x's dtype; `glu`: w is [gate; up]
+    (2N rows) and the result silu(gate) * up."""
+    return _launch(x, w, residual=residual, glu=glu, tiles=tiles)
+
+
+def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, w: Tensor, *, glu: bool = False,
+                normed: bool = False, offset: float = 1.0,
+                tiles: Tiles | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    """rms_norm(x) @ w^T; `glu`: w is [gate; up] and the result silu(gate) * up; `normed`:
+    (y, the normed x) is returned."""
+    return _launch(x, w, prologue=RMS, norm_weight=norm_weight, eps=eps, offset=offset,
+                   glu=glu, normed=normed, tiles=tiles)
+
+
+def gated_norm_linear(x: Tensor, z: Tensor, norm_weight: Tensor, eps: float, w: Tensor,
+                      residual: Tensor | None = None, tiles: Tiles | None = None) -> Tensor:
+    """x, z [..., H, D] -> gated_rms_norm(x, z) over each head's D channels, flattened, @ w^T
+    (+ residual). z may be a view with any head and row strides."""
+    return _launch(x.reshape(*x.shape[:-2], -1), w, prologue=GATED, norm_weight=norm_weight,
+                   eps=eps, z=z, head=x.shape[-1], residual=residual, tiles=tiles)
+
+
+def gate_linear(x: Tensor, g: Tensor, w: Tensor, residual: Tensor | None = None,
+                tiles: Tiles | None = None) -> Tensor:
+    """x, g [..., H, D] -> (x * sigmoid(g)) flattened @ w^T (+ residual); g may be a view."""
+    return _launch(x.reshape(*x.shape[:-2], -1), w, prologue=SIGMOID, z=g, head=x.shape[-1],
+                   residual=residual, tiles=tiles)
+
+
+# --- torch references: the chains these replace, op for op ----------------------------------
+
+def _wide(x: Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _rms_norm_reference(x, weight, eps, offset=1.0):
+    xf = x.to(_wide(x))
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            * (offset + weight.to(xf.dtype))).to(x.dtype)
+
+
+def linear_reference(x, w, residual=None, *, glu=False):
+    y = F.linear(x, w)
+    if glu:
+        n = w.shape[0] // 2
+        y = F.silu(y[..., :n]) * y[..., n:]
+    return y if residual is None else residual + y
+
+
+def norm_linear_reference(x, norm_weight, eps, w, *, glu=False, normed=False, offset=1.0):
+    xn = _rms_norm_reference(x, norm_weight, eps, offset)
+    y = linear_reference(xn, w, glu=glu)
+    return (y, xn) if normed else y
+
+
+def gated_norm_linear_reference(x, z, norm_weight, eps, w, residual=None):
+    xf = x.to(_wide(x))
+    normed = norm_weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    o = (normed * F.silu(z.to(xf.dtype))).to(x.dtype)
+    return linear_reference(o.reshape(*o.shape[:-2], -1), w, residual)
+
+
+def gate_linear_reference(x, g, w, residual=None):
+    o = x * torch.sigmoid(g)
+    return linear_reference(o.reshape(*o.shape[:-2], -1), w, residual)

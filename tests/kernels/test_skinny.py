@@ -1,0 +1,98 @@
+"""The skinny GEMMs against the torch chains they replace, float32 and bfloat16, on small
+shapes whose N and K are not multiples of the tiles, through each way of cutting a call:
+the default tiles, one row's multiply-adds with K split over programs, and the dot with K
+split (the workspace must be left zero for the next call)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import skinny
+from kernels.skinny import Tiles
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# float32: summation order only. bf16: the outputs are rounded to bf16, and a sum that lands
+# on the other side of a rounding boundary moves one ulp (~0.8%); the interpreter truncates
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2.4e-2}
+# silu(g) * u multiplies a one-ulp move of g or u by the other factor (|u| ~ 3 here)
+GLU_TOL = {torch.float32: 2e-5, torch.bfloat16: 8e-2}
+TILES = [None, Tiles(16, 32, split=3), Tiles(16, 32, split=2, dot=True)]
+N, K, HEAD = 40, 96, 16
+
+
+def _close(got, want, dtype, tol=TOL):
+    assert got.shape == want.shape and got.dtype == want.dtype
+    scale = want.float().abs().max().clamp(min=1.0)
+    err = (got.float() - want.float()).abs().max() / scale
+    assert err <= tol[dtype], (float(err), float(scale))
+
+
+def _randn(*shape, dtype, scale=1.0):
+    return (torch.randn(*shape, device=DEVICE) * scale).to(dtype)
+
+
+def _workspace_is_clean():
+    for ws, cnt in skinny._workspaces.values():
+        assert ws.abs().max() == 0 and cnt.abs().max() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tiles", TILES)
+@pytest.mark.parametrize("rows", [1, 5])
+def test_linear_and_its_residual(rows, tiles, dtype):
+    packed = _randn(rows, 1, K + 24, dtype=dtype)
+    x = packed[..., 8:8 + K]  # a strided view, as a slice of a projection
+    w = _randn(N, K, dtype=dtype, scale=K ** -0.5)
+    r = _randn(rows, 1, N, dtype=dtype)
+    _close(skinny.linear(x, w, tiles=tiles), skinny.linear_reference(x, w), dtype)
+    _close(skinny.linear(x, w, r, tiles=tiles), skinny.linear_reference(x, w, r), dtype)
+    w2 = _randn(2 * N, K, dtype=dtype, scale=K ** -0.5)
+    _close(skinny.linear(x, w2, glu=True, tiles=tiles),
+           skinny.linear_reference(x, w2, glu=True), dtype, GLU_TOL)
+    _workspace_is_clean()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tiles", TILES)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_norm_prologue_with_gate_up_pairs_and_the_normed_rows(rows, tiles, dtype):
+    x = _randn(rows, K, dtype=dtype, scale=3.0)
+    nw = _randn(K, dtype=dtype, scale=0.1)
+    w = _randn(2 * N, K, dtype=dtype, scale=K ** -0.5)
+    _close(skinny.norm_linear(x, nw, 1e-6, w, tiles=tiles),
+           skinny.norm_linear_reference(x, nw, 1e-6, w), dtype)
+    _close(skinny.norm_linear(x, nw, 1e-6, w, glu=True, tiles=tiles),
+           skinny.norm_linear_reference(x, nw, 1e-6, w, glu=True), dtype, GLU_TOL)
+    y, xn = skinny.norm_linear(x, nw, 1e-6, w, normed=True, tiles=tiles)
+    want_y, want_xn = skinny.norm_linear_reference(x, nw, 1e-6, w, normed=True)
+    _close(y, want_y, dtype)
+    _close(xn, want_xn, dtype)
+    _workspace_is_clean()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tiles", TILES)
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gated_norm_and_sigmoid_gate_prologues(rows, tiles, dtype):
+    H = K // HEAD
+    x = _randn(rows, 1, H, HEAD, dtype=dtype)
+    # the gates as views: z inside a packed projection row, g interleaved with q per head
+    packed = _randn(rows, 1, K + 8, dtype=dtype)
+    z = packed[..., 4:4 + K].view(rows, 1, H, HEAD)
+    g = _randn(rows, 1, H, 2 * HEAD, dtype=dtype)[..., HEAD:]
+    nw = 1 + _randn(HEAD, dtype=dtype, scale=0.1)
+    w = _randn(N, K, dtype=dtype, scale=K ** -0.5)
+    r = _randn(rows, 1, N, dtype=dtype)
+    _close(skinny.gated_norm_linear(x, z, nw, 1e-6, w, r, tiles=tiles),
+           skinny.gated_norm_linear_reference(x, z, nw, 1e-6, w, r), dtype)
+    _close(skinny.gate_linear(x, g, w, tiles=tiles), skinny.gate_linear_reference(x, g, w),
+           dtype)
+    _close(skinny.gate_linear(x, g, w, r, tiles=tiles),
+           skinny.gate_linear_reference(x, g, w, r), dtype)
+    _workspace_is_clean()
+
+
+def test_too_many_rows_is_refused():
+    with pytest.raises(ValueError):
+        skinny.linear(torch.zeros(9, 32, device=DEVICE), torch.zeros(16, 32, device=DEVICE))
