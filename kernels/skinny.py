@@ -182,19 +182,22 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
 
 
 _workspaces: dict[torch.device, tuple[Tensor, Tensor]] = {}
+_outgrown: list[tuple[Tensor, Tensor]] = []  # graphs captured earlier may still use these
 
 
 def _workspace(device: torch.device, floats: int, counters: int) -> tuple[Tensor, Tensor] | None:
-    """The zeroed float32 workspace and counters split-K calls share (each call leaves them
-    zero). Grown only outside a CUDA graph capture: None there when too small."""
+    """The zeroed float32 workspace and counters that split-K calls (on one stream) share:
+    each call leaves them zero. Grown only outside a CUDA graph capture (None there when
+    too small); one it outgrows is kept, never freed: a captured graph may hold it."""
     ws, cnt = _workspaces.get(device, (None, None))
-    if ws is None or ws.numel() < floats or cnt.numel() < counters:
+    if ws is None or cnt is None or ws.numel() < floats or cnt.numel() < counters:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        floats = max(floats, ws.numel() if ws is not None else 0)
-        counters = max(counters, cnt.numel() if cnt is not None else 0)
-        ws = torch.zeros(floats, dtype=torch.float32, device=device)
-        cnt = torch.zeros(counters, dtype=torch.int32, device=device)
+        if ws is not None and cnt is not None:
+            _outgrown.append((ws, cnt))
+        # room for 16 rows of N = 8K gate + up at the first call: no growth at the model's
+        ws = torch.zeros(max(floats, 2 * 16 * 8192), dtype=torch.float32, device=device)
+        cnt = torch.zeros(max(counters, 8192), dtype=torch.int32, device=device)
         _workspaces[device] = (ws, cnt)
     return ws, cnt
 
