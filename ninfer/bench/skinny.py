@@ -37,13 +37,11 @@ SHAPES = [("gdn_in_proj", 6176, 1024, False, "norm"), ("attn_qkv", 5120, 1024, F
           ("attn_o_proj", 1024, 2048, False, "sigmoid+residual"),
           ("mlp_down", 1024, 3072, False, "residual"), ("lm_head", 151_936, 1024, False,
                                                         "norm+normed")]
-ONE_ROW = [Tiles(4, 512), Tiles(8, 512), Tiles(16, 512), Tiles(32, 256), Tiles(8, 1024, 8),
-           Tiles(16, 1024, 8), Tiles(8, 512, split=2), Tiles(8, 512, split=4),
-           Tiles(4, 1024, split=2), Tiles(16, 256, dot=True), Tiles(16, 256, split=4, dot=True)]
-ROWS = [Tiles(16, 256, dot=True), Tiles(16, 512, dot=True), Tiles(32, 256, dot=True),
-        Tiles(64, 128, dot=True), Tiles(32, 512, 8, dot=True),
-        Tiles(16, 256, split=2, dot=True), Tiles(16, 256, split=4, dot=True),
-        Tiles(32, 256, split=4, dot=True), Tiles(16, 512, split=4, dot=True)]
+ONE_ROW = [Tiles(4, 512), Tiles(8, 512), Tiles(16, 512), Tiles(16, 1024, 8),
+           Tiles(8, 512, split=2), Tiles(8, 512, split=4), Tiles(16, 256, dot=True)]
+ROWS = [Tiles(16, 256, dot=True), Tiles(32, 256, dot=True), Tiles(64, 128, dot=True),
+        Tiles(16, 512, dot=True), Tiles(16, 256, split=2, dot=True),
+        Tiles(16, 256, split=4, dot=True)]
 L2_FLUSH_BYTES = 256 * 2**20
 CALLS = 32
 
