@@ -3,6 +3,21 @@
 `JournalChecker.feed(event)` folds an event into a replica store and per-request
 bookkeeping and raises `InvariantViolation` naming the invariant, the seq and the
 request. `journal check`, the stateful tests and the simulator all use it.
+
+It is two checkers with disjoint duties, so that `journal check` can run them side by side
+in two processes over the same file:
+
+- `RequestChecks`, each request against its own events: queued once, nothing after its
+  terminal event, a plan inside its sequence, prefill and commits moving forward, the
+  finish's cached tokens, no internal failure. It reads few fields of few kinds, and reads
+  them by attribute, so it takes an event or a `PayloadView` of its JSON alike.
+- `StoreChecks`, the server as a whole: seqs gap-free, the store's fold (publication,
+  eviction, restarts, snapshots), plans that name held endpoints of their own tenant, lanes
+  within max_concurrency, no live request across a restart.
+
+`JournalChecker.feed` runs them in the order a single checker would: the gap first, then the
+request's own checks, then the store's; `journal check` picks, of the two first violations,
+the one at the smaller seq (at equal seqs, in that same order).
 """
 
 from __future__ import annotations
@@ -11,9 +26,25 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from . import events as ev
-from .store import ContinuationStore, InvariantViolation
+from .store import FOLD_KINDS, ContinuationStore, InvariantViolation
 
 LIVE_STATES = ("Prefilling", "Active", "Finishable")
+
+
+class PayloadView:
+    """An event's payload read as attributes, without building the event: what
+    `RequestChecks` needs of the kinds it reads. `view = PayloadView(); view.__dict__ =
+    payload` (no copy); a field the payload lacks is an AttributeError naming it."""
+
+    @classmethod
+    def of(cls, payload: dict) -> PayloadView:
+        view = object.__new__(cls)
+        view.__dict__ = payload
+        return view
+
+
+def _violation(n: int, e, message: str) -> InvariantViolation:
+    return InvariantViolation(n, e.seq, message, e.request)
 
 
 @dataclass(slots=True)
@@ -29,15 +60,237 @@ class _Req:
     after_cancel: bool = False   # an earlier request of its conversation was cancelled
 
 
-class JournalChecker:
+class RequestChecks:
+    """Invariants each request's own events keep (2, 4, 9, 10 in part)."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, _Req] = {}
+        self.cancelled_sessions: set[tuple[str, str]] = set()
+
+    def resume(self, e: ev.StoreSnapshotted) -> None:
+        for rid, r in e.requests.items():
+            self.requests[rid] = _Req(r["tenant"], r["session"], r["prompt_len"], r["state"],
+                                      r["outputs"], r["frontier"], r["reuse_base"])
+
+    def feed(self, e, kind: str) -> None:
+        """`e`: an event of `kind`, or a PayloadView of one (with its envelope). First the
+        request it belongs to must be open (invariant 4); then the kind's own checks."""
+        r = None
+        if e.request is not None and kind != "RequestQueued":
+            r = self.requests.get(e.request)
+            if r is None:
+                raise _violation(4, e, f"{kind} for a request never queued")
+            if r.ended_at:
+                raise _violation(4, e, f"{kind} after the request's terminal event at seq "
+                                 f"{r.ended_at}")
+        handler = _REQUEST_HANDLERS.get(kind)
+        if handler is not None:
+            handler(self, e, r)
+
+    def _queued(self, e, _r) -> None:
+        if e.request in self.requests:
+            raise _violation(4, e, "request queued twice")
+        key = (e.tenant, e.conversation or "")
+        self.requests[e.request] = _Req(e.tenant, e.conversation, e.prompt_len,
+                                        after_cancel=key in self.cancelled_sessions)
+
+    def _started(self, e, r: _Req) -> None:
+        length = r.prompt_len + r.outputs
+        if e.reuse_base >= length:
+            raise _violation(2, e, f"reuse_base {e.reuse_base} >= sequence length {length}")
+        r.state, r.reuse_base, r.frontier = "Prefilling", e.reuse_base, e.reuse_base
+
+    def _advanced(self, e, r: _Req) -> None:
+        if e.cursor <= r.frontier:
+            raise _violation(9, e, f"prefill cursor {e.cursor} did not advance past "
+                             f"{r.frontier}")
+        r.frontier = e.cursor
+
+    def _committed(self, e, r: _Req) -> None:
+        n = ev.committed_count(e.tokens, getattr(e, "count", None))
+        if not n or e.frontier < r.frontier:
+            raise _violation(9, e, f"frontier went from {r.frontier} to {e.frontier}")
+        r.frontier = e.frontier
+        r.outputs += n
+
+    @staticmethod
+    def _state(new: str):
+        def handler(self: RequestChecks, e, r: _Req) -> None:
+            r.state = new
+        return handler
+
+    def _finished(self, e, r: _Req) -> None:
+        self._ended(e, r, "RequestFinished")
+        if e.cached_tokens != r.reuse_base:
+            raise _violation(10, e, f"cached_tokens {e.cached_tokens} != plan's reuse_base "
+                             f"{r.reuse_base}")
+
+    def _failed(self, e, r: _Req) -> None:
+        self._ended(e, r, "RequestFailed")
+        if e.failure == "internal":
+            where = " after a cancel in its conversation" if r.after_cancel else ""
+            raise _violation(10, e, f"request failed{where}: {e.message}")
+
+    def _cancelled(self, e, r: _Req) -> None:
+        self._ended(e, r, "RequestCancelled")
+        self.cancelled_sessions.add((r.tenant, r.session or ""))
+
+    @staticmethod
+    def _ended(e, r: _Req, kind: str) -> None:
+        r.state, r.ended_at = kind, e.seq
+
+
+_REQUEST_HANDLERS = {
+    "RequestQueued": RequestChecks._queued,
+    "RequestStarted": RequestChecks._started,
+    "PrefillAdvanced": RequestChecks._advanced,
+    "TokensCommitted": RequestChecks._committed,
+    "PrefillCompleted": RequestChecks._state("Active"),
+    "StopReached": RequestChecks._state("Finishable"),
+    "RequestPreempted": RequestChecks._state("Queued"),
+    "RequestFinished": RequestChecks._finished,
+    "RequestCancelled": RequestChecks._cancelled,
+    "RequestFailed": RequestChecks._failed,
+}
+# the kinds whose payload RequestChecks reads (the others: only their kind and request)
+REQUEST_KINDS = frozenset(k for k in _REQUEST_HANDLERS
+                          if k not in ("PrefillCompleted", "StopReached", "RequestPreempted",
+                                       "RequestCancelled"))
+
+
+@dataclass(slots=True)
+class _Held:
+    tenant: str
+    session: str | None
+    live: bool = False
+    ended: bool = False
+
+
+class StoreChecks:
+    """Invariants of the server as a whole (1, 2, 4, 5, 7, 8 in part), over the store's fold."""
+
     def __init__(self) -> None:
         self.store = ContinuationStore()
-        self.requests: dict[str, _Req] = {}
+        self.requests: dict[str, _Held] = {}
         self.last_seq = 0
         self.max_concurrency = 0
         self.live = 0
-        self.cancelled_sessions: set[tuple[str, str]] = set()
         self.events = 0
+
+    def enter(self, seq: int, request: str | None) -> None:
+        """Every event, first: seqs follow each other (invariant 4)."""
+        if seq != self.last_seq + 1:
+            raise InvariantViolation(4, seq, f"seq gap or repeat after {self.last_seq}", request)
+        self.last_seq = seq
+        self.events += 1
+
+    def resume(self, e: ev.StoreSnapshotted) -> None:
+        self.last_seq = e.seq - 1
+        self.max_concurrency = e.max_concurrency
+        for rid, r in e.requests.items():
+            self.requests[rid] = _Held(r["tenant"], r["session"], r["state"] in LIVE_STATES)
+        self.live = sum(r.live for r in self.requests.values())
+
+    def feed(self, e: ev.Event) -> None:
+        """An event the store folds, or one that changes which requests hold lanes (after
+        `enter`)."""
+        handler = _STORE_HANDLERS.get(type(e))
+        if handler is not None:
+            handler(self, e)
+        self.store.apply(e)
+        after = _AFTER_FOLD.get(type(e))
+        if after is not None:
+            after(self, e)
+
+    def skip(self, seq: int, kind: str, request: str | None) -> None:
+        """An event of a kind outside STORE_KINDS, read by its kind alone: `enter`, then a
+        request leaving its lane (a preemption, a terminal event), or nothing but the
+        store's seq. Only the gap can be violated here."""
+        if seq != self.last_seq + 1:
+            raise InvariantViolation(4, seq, f"seq gap or repeat after {self.last_seq}", request)
+        self.last_seq = seq
+        self.events += 1
+        self.store.applied_seq = seq  # what the fold does with a kind it ignores
+        if kind in _LEAVING:
+            r = self.requests.get(request)
+            if r is not None and not r.ended:
+                if r.live:
+                    self.live -= 1
+                    r.live = False
+                r.ended = kind != "RequestPreempted"
+
+    def queued(self, e) -> None:
+        """A request queued (an event or a PayloadView of its tenant)."""
+        self.requests.setdefault(e.request, _Held(e.tenant, e.conversation))
+
+    def _started(self, e: ev.RequestStarted) -> None:
+        r = self.requests.get(e.request)
+        if e.endpoint is not None:
+            stored = self.store.endpoints.get(e.endpoint)
+            if stored is None:
+                raise _violation(2, e, f"plan reuses unknown endpoint {e.endpoint}")
+            f = stored.facts
+            if r is not None and (f.tenant != r.tenant
+                                  or (f.kind != "shared" and f.session != r.session)):
+                raise _violation(8, e, f"endpoint {f.id} of tenant {f.tenant!r} planned "
+                                 f"for tenant {r.tenant!r}")
+            if f.position != e.reuse_base:
+                raise _violation(2, e, "reuse_base differs from the endpoint's position")
+        if r is not None and not r.live:
+            r.live = True
+            self.live += 1
+        if self.live > self.max_concurrency:
+            raise _violation(7, e, f"{self.live} requests hold lanes, max_concurrency is "
+                             f"{self.max_concurrency}")
+
+    def _server_started(self, e: ev.ServerStarted) -> None:
+        if self.live:
+            raise _violation(4, e, f"{self.live} requests still live at a restart")
+        self.max_concurrency = e.max_concurrency
+
+    def _snapshotted(self, e: ev.StoreSnapshotted) -> None:
+        open_ids = {rid for rid, r in self.requests.items() if not r.ended}
+        if open_ids != set(e.requests):
+            raise _violation(4, e, f"the snapshot's open requests {sorted(e.requests)} are "
+                             f"not the journal's {sorted(open_ids)}")
+
+
+_LEAVING = frozenset({"RequestPreempted", *ev.TERMINAL_KINDS})
+_STORE_HANDLERS = {  # before the fold, which touches the endpoint
+    ev.RequestQueued: StoreChecks.queued,
+    ev.RequestStarted: StoreChecks._started,
+}
+_AFTER_FOLD = {
+    ev.ServerStarted: StoreChecks._server_started,
+    ev.StoreSnapshotted: StoreChecks._snapshotted,
+}
+# the kinds StoreChecks decodes; every other kind it reads by kind and request (`lane`)
+STORE_KINDS = frozenset({"RequestQueued", *(t.kind for t in _AFTER_FOLD),
+                         *FOLD_KINDS})
+
+
+class JournalChecker:
+    """Both checkers fed event by event, as the stateful tests and the simulator use them."""
+
+    def __init__(self) -> None:
+        self.fold = StoreChecks()
+        self.progress = RequestChecks()
+
+    @property
+    def store(self) -> ContinuationStore:
+        return self.fold.store
+
+    @property
+    def requests(self) -> dict[str, _Req]:
+        return self.progress.requests
+
+    @property
+    def last_seq(self) -> int:
+        return self.fold.last_seq
+
+    @property
+    def events(self) -> int:
+        return self.fold.events
 
     def feed_all(self, events: Iterable[ev.Event]) -> JournalChecker:
         for event in events:
@@ -45,122 +298,13 @@ class JournalChecker:
         return self
 
     def feed(self, e: ev.Event) -> None:
-        if isinstance(e, ev.StoreSnapshotted) and self.last_seq == 0:
-            self._resume(e)  # a rotated journal: carry on from what its snapshot says
-        if e.seq != self.last_seq + 1:
-            raise InvariantViolation(4, e.seq, f"seq gap or repeat after {self.last_seq}",
-                                     e.request)
-        self.last_seq = e.seq
-        self.events += 1
-        r = None
-        if e.request is not None and not isinstance(e, ev.RequestQueued):
-            r = self.requests.get(e.request)
-            if r is None:
-                raise InvariantViolation(4, e.seq, f"{e.kind} for a request never queued",
-                                         e.request)
-            if r.ended_at:
-                raise InvariantViolation(4, e.seq, f"{e.kind} after the request's terminal event "
-                                         f"at seq {r.ended_at}", e.request)
-        if isinstance(e, ev.RequestStarted):
-            self._started(e, r)  # before the fold, which touches the endpoint
-        self.store.apply(e)
-        handler = _HANDLERS.get(type(e))
-        if handler is not None:
-            handler(self, e, r)
-
-    def _resume(self, e: ev.StoreSnapshotted) -> None:
-        self.last_seq = e.seq - 1
-        self.max_concurrency = e.max_concurrency
-        for rid, r in e.requests.items():
-            self.requests[rid] = _Req(r["tenant"], r["session"], r["prompt_len"], r["state"],
-                                      r["outputs"], r["frontier"], r["reuse_base"])
-        self.live = sum(r.state in LIVE_STATES for r in self.requests.values())
-
-    def _snapshotted(self, e: ev.StoreSnapshotted, _r) -> None:
-        open_ids = {rid for rid, r in self.requests.items() if not r.ended_at}
-        if open_ids != set(e.requests):
-            raise self._violation(4, e, f"the snapshot's open requests {sorted(e.requests)} "
-                                  f"are not the journal's {sorted(open_ids)}")
-
-    def _violation(self, n: int, e: ev.Event, message: str) -> InvariantViolation:
-        return InvariantViolation(n, e.seq, message, e.request)
-
-    def _server_started(self, e: ev.ServerStarted, _r) -> None:
-        if self.live:
-            raise self._violation(4, e, f"{self.live} requests still live at a restart")
-        self.max_concurrency = e.max_concurrency
-
-    def _queued(self, e: ev.RequestQueued, _r) -> None:
-        if e.request in self.requests:
-            raise self._violation(4, e, "request queued twice")
-        key = (e.tenant, e.conversation or "")
-        self.requests[e.request] = _Req(e.tenant, e.conversation, e.prompt_len,
-                                        after_cancel=key in self.cancelled_sessions)
-
-    def _started(self, e: ev.RequestStarted, r: _Req) -> None:
-        length = r.prompt_len + r.outputs
-        if e.reuse_base >= length:
-            raise self._violation(2, e, f"reuse_base {e.reuse_base} >= sequence length {length}")
-        if e.endpoint is not None:
-            stored = self.store.endpoints.get(e.endpoint)
-            if stored is None:
-                raise self._violation(2, e, f"plan reuses unknown endpoint {e.endpoint}")
-            f = stored.facts
-            if f.tenant != r.tenant or (f.kind != "shared" and f.session != r.session):
-                raise self._violation(8, e, f"endpoint {f.id} of tenant {f.tenant!r} planned "
-                                      f"for tenant {r.tenant!r}")
-            if f.position != e.reuse_base:
-                raise self._violation(2, e, "reuse_base differs from the endpoint's position")
-        r.state, r.reuse_base, r.frontier = "Prefilling", e.reuse_base, e.reuse_base
-        self.live += 1
-        if self.live > self.max_concurrency:
-            raise self._violation(7, e, f"{self.live} requests hold lanes, max_concurrency is "
-                                  f"{self.max_concurrency}")
-
-    def _advanced(self, e: ev.PrefillAdvanced, r: _Req) -> None:
-        if e.cursor <= r.frontier:
-            raise self._violation(9, e, f"prefill cursor {e.cursor} did not advance past "
-                                  f"{r.frontier}")
-        r.frontier = e.cursor
-
-    def _committed(self, e: ev.TokensCommitted, r: _Req) -> None:
-        if not e.committed or e.frontier < r.frontier:
-            raise self._violation(9, e, f"frontier went from {r.frontier} to {e.frontier}")
-        r.frontier = e.frontier
-        r.outputs += e.committed
-
-    @staticmethod
-    def _state(new: str):
-        def handler(self: JournalChecker, e: ev.Event, r: _Req) -> None:
-            if new == "Queued":
-                self.live -= 1
-            r.state = new
-        return handler
-
-    def _terminal(self, e: ev.Event, r: _Req) -> None:
-        if r.state in LIVE_STATES:
-            self.live -= 1
-        r.state, r.ended_at = e.kind, e.seq
-        if isinstance(e, ev.RequestFinished) and e.cached_tokens != r.reuse_base:
-            raise self._violation(10, e, f"cached_tokens {e.cached_tokens} != plan's reuse_base "
-                                  f"{r.reuse_base}")
-        if isinstance(e, ev.RequestFailed) and e.failure == "internal":
-            where = " after a cancel in its conversation" if r.after_cancel else ""
-            raise self._violation(10, e, f"request failed{where}: {e.message}")
-        if isinstance(e, ev.RequestCancelled):
-            self.cancelled_sessions.add((r.tenant, r.session or ""))
-
-
-_HANDLERS = {
-    ev.ServerStarted: JournalChecker._server_started,
-    ev.StoreSnapshotted: JournalChecker._snapshotted,
-    ev.RequestQueued: JournalChecker._queued,
-    ev.PrefillAdvanced: JournalChecker._advanced,
-    ev.TokensCommitted: JournalChecker._committed,
-    ev.PrefillCompleted: JournalChecker._state("Active"),
-    ev.StopReached: JournalChecker._state("Finishable"),
-    ev.RequestPreempted: JournalChecker._state("Queued"),
-    ev.RequestFinished: JournalChecker._terminal,
-    ev.RequestCancelled: JournalChecker._terminal,
-    ev.RequestFailed: JournalChecker._terminal,
-}
+        if isinstance(e, ev.StoreSnapshotted) and self.fold.last_seq == 0:
+            self.fold.resume(e)  # a rotated journal: carry on from what its snapshot says
+            self.progress.resume(e)
+        if e.kind in STORE_KINDS:
+            self.fold.enter(e.seq, e.request)
+            self.progress.feed(e, e.kind)
+            self.fold.feed(e)
+        else:  # the gap first, as for the others
+            self.fold.skip(e.seq, e.kind, e.request)
+            self.progress.feed(e, e.kind)

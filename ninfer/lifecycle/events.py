@@ -160,7 +160,12 @@ class TokensCommitted(Event):
     @property
     def committed(self) -> int:
         """How many tokens this commit added (known with or without their ids)."""
-        return len(self.tokens) if self.tokens is not None else self.count or 0
+        return committed_count(self.tokens, self.count)
+
+
+def committed_count(tokens, count: int | None) -> int:
+    """A commit's token count: its ids' number, or the count a "hashes" journal keeps."""
+    return len(tokens) if tokens is not None else count or 0
 
 
 # --- store and server ---------------------------------------------------------------------
@@ -229,15 +234,7 @@ def _converter(tp: Any):
     if origin is tuple:
         return tuple
     if dataclasses.is_dataclass(tp):
-        hints = typing.get_type_hints(tp)
-        convs = [(f.name, c) for f in dataclasses.fields(tp)
-                 if (c := _converter(hints[f.name])) is not None]
-
-        def build(v: dict) -> Any:
-            for name, conv in convs:
-                v[name] = conv(v[name])
-            return tp(**v)
-        return build
+        return _generated(tp, envelope=False)
     return None
 
 
@@ -273,7 +270,7 @@ def _builder(tp: type):
 
 def from_plain(tp: type, value: Any) -> Any:
     """A dataclass of type `tp` (nested facts included) rebuilt from its JSON value."""
-    return _builder(tp)(dict(value))
+    return _builder(tp)(value)
 
 
 def to_json(ev: Event) -> str:
@@ -296,19 +293,33 @@ _ABSENT = object()
 
 @functools.cache
 def _builder_of(cls: type[Event]):
-    """`build(seq, time, request, conversation, payload)` for `cls`, generated (as
-    dataclasses generates __init__) to fill the slots straight from a decoded payload: the
-    journal tools decode millions of events. It pops what it reads from the payload."""
+    """`build(seq, time, request, conversation, payload)` for `cls`: see `_generated`."""
+    return _generated(cls, envelope=True)
+
+
+def _generated(cls: type, envelope: bool):
+    """A builder of the slotted dataclass `cls` from its decoded JSON dict, generated (as
+    dataclasses generates __init__) to fill the slots straight from the dict: the journal
+    tools decode millions of events. It pops what it reads from the dict, converts nested
+    facts and tuples, refuses missing and unknown fields, and runs `__post_init__`.
+    An event's builder takes the envelope first: `build(seq, time, request, conversation,
+    p)`; a fact's takes `build(p)`."""
     hints = typing.get_type_hints(cls)
+    name = cls.kind if envelope else cls.__name__
     env: dict[str, Any] = {"_new": object.__new__, "_cls": cls, "_ABSENT": _ABSENT,
                            "_lacks": _lacks, "_extra": _extra}
-    lines = ["def build(seq, time, request, conversation, p):", "    o = _new(_cls)"]
-    for name in Event.ENVELOPE:
-        env[f"_s_{name}"] = getattr(cls, name).__set__
-        lines.append(f"    _s_{name}(o, {name})")
+    skip = Event.ENVELOPE if envelope else ()
+    head = "seq, time, request, conversation, p" if envelope else "p"
+    lines = [f"def build({head}):", "    if type(p) is not dict:",
+             f"        raise TypeError({name + ' is not a JSON object'!r})", "    o = _new(_cls)"]
+    if not envelope:  # a nested fact's dict may be someone else's (a snapshot's): a copy
+        lines.append("    p = dict(p)")
+    for n in skip:
+        env[f"_s_{n}"] = getattr(cls, n).__set__
+        lines.append(f"    _s_{n}(o, {n})")
     for f in dataclasses.fields(cls):
         n = f.name
-        if n in Event.ENVELOPE:
+        if n in skip:
             continue
         env[f"_s_{n}"], conv = getattr(cls, n).__set__, _converter(hints[n])
         got = f"_c_{n}(v)" if conv is not None else "v"
@@ -320,10 +331,13 @@ def _builder_of(cls: type[Event]):
             env[f"_d_{n}"] = f.default
             absent = f"_d_{n}"
         else:
-            absent = f"_lacks({cls.kind!r}, {n!r})"
+            absent = f"_lacks({name!r}, {n!r})"
         lines += [f"    v = p.pop({n!r}, _ABSENT)",
                   f"    _s_{n}(o, {absent} if v is _ABSENT else {got})"]
-    lines += ["    if p:", f"        _extra({cls.kind!r}, p)", "    return o"]
+    lines += ["    if p:", f"        _extra({name!r}, p)"]
+    if hasattr(cls, "__post_init__"):
+        lines.append("    o.__post_init__()")
+    lines.append("    return o")
     exec("\n".join(lines), env)  # noqa: S102 - code generated from the dataclass fields
     return env["build"]
 

@@ -22,7 +22,7 @@ class InvariantViolation(Exception):
     """An invariant of specs/invariants.md does not hold at `seq`."""
 
     def __init__(self, invariant: int, seq: int, message: str, request: str | None = None):
-        self.invariant, self.seq, self.request = invariant, seq, request
+        self.invariant, self.seq, self.request, self.detail = invariant, seq, request, message
         where = f"seq {seq}" + (f", request {request}" if request else "")
         super().__init__(f"invariant {invariant} violated at {where}: {message}")
 
@@ -59,6 +59,14 @@ class ContinuationStore:
         if handler is not None:
             handler(self, event)
         self.applied_seq = event.seq
+
+    def advance(self, seq: int, request: str | None = None) -> None:
+        """An event of a kind the fold ignores (not in FOLD_KINDS), known by its seq alone:
+        what `apply` does with it, without decoding it."""
+        if seq <= self.applied_seq:
+            raise InvariantViolation(4, seq, f"seq not increasing (after {self.applied_seq})",
+                                     request)
+        self.applied_seq = seq
 
     def _server_started(self, e: ev.ServerStarted) -> None:
         for stored in self.endpoints.values():  # recovery drops what fails the new mode first

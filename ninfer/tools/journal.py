@@ -19,22 +19,14 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..lifecycle import events as ev
-from ..lifecycle.checks import JournalChecker
 from ..lifecycle.journal import SCHEMA_VERSION, JournalError
-from ..lifecycle.store import ContinuationStore, InvariantViolation
+from ..lifecycle.store import InvariantViolation
+from . import scan
+from .scan import LEAN_DATA, check, replay_summary  # noqa: F401 - the passes, re-exported
 
-PROGRESS_MIN = 100_000   # show a progress bar above this many events
 LEAD_UP = 8              # events of the request printed before a violation
 _COLS = "seq, time, request, conversation, kind, data"
-# the consumers that judge invariants need no token ids: SQLite drops them before Python
-# parses the JSON (prompt ids, checkpoint ids: most of a journal's bytes)
-_LEAN_DROP = {"RequestQueued": "'$.tokens', NULL, '$.block_hashes', json('[]')",
-              "EndpointPublished": "'$.endpoint.checkpoint.tokens', NULL",
-              "CheckpointCaptured": "'$.checkpoint.tokens', NULL"}
-# (a payload that is not JSON goes to Python as it is, which names the seq it is at)
-_LEAN_COLS = "seq, time, request, conversation, kind, CASE kind " + " ".join(
-    f"WHEN '{k}' THEN CASE WHEN json_valid(data) THEN json_replace(data, {drop}) ELSE data END"
-    for k, drop in _LEAN_DROP.items()) + " ELSE data END"
+_LEAN_COLS = "seq, time, request, conversation, kind, " + LEAN_DATA
 
 
 class Source:
@@ -68,12 +60,13 @@ class Source:
             raise JournalError(f"journal {path}: written by a newer ninfer")
 
     def rows(self, where: str = "", params: tuple = (), order: str = "ORDER BY seq",
-             progress: bool = False, lean: bool = False):
-        """Rows in seq order; `lean`: without token ids (prompts' and checkpoints')."""
+             progress: bool = False, lean: bool = False, select: str | None = None):
+        """Rows in seq order; `lean`: without token ids (prompts' and checkpoints');
+        `select`: other columns than the row's six."""
         total = self.count if progress else 0
-        bar = tqdm(total=total, disable=total <= PROGRESS_MIN, file=sys.stderr, unit="ev",
+        bar = tqdm(total=total, disable=total <= scan.PROGRESS_MIN, file=sys.stderr, unit="ev",
                    leave=False)
-        cols = _LEAN_COLS if lean else _COLS
+        cols = select or (_LEAN_COLS if lean else _COLS)
         try:
             cur = self.conn.execute(f"SELECT {cols} FROM events {where} {order}", params)
             while batch := cur.fetchmany(4096):
@@ -104,56 +97,6 @@ def export_dict(row: tuple) -> dict:
     seq, time, request, conversation, kind, data = row
     return {"seq": seq, "time": time, "request": request, "conversation": conversation,
             "kind": kind, "data": json.loads(data)}
-
-
-def replay_summary(src: Source) -> dict:
-    """One pass: the fold, and counts of what happened. InvariantViolation where the fold
-    cannot go on (a gap in seq among them)."""
-    outcomes, plans, published, refused, evicted, lost = (Counter() for _ in range(6))
-    queued = 0
-    store = ContinuationStore()
-    for e in src.events(progress=True, lean=True):
-        if store.applied_seq and e.seq != store.applied_seq + 1:
-            raise InvariantViolation(4, e.seq, f"seq gap after {store.applied_seq}", e.request)
-        store.apply(e)
-        k = e.kind
-        if k == "RequestQueued":
-            queued += 1
-        elif k == "StoreSnapshotted" and not queued and not outcomes:
-            queued += len(e.requests)  # a rotated file: requests carried over, still open
-        elif k == "RequestFinished":
-            outcomes["finished"] += 1
-        elif k == "RequestCancelled":
-            outcomes[f"cancelled({e.at_state})"] += 1
-        elif k == "RequestFailed":
-            outcomes[f"failed({e.failure})"] += 1
-        elif k == "RequestStarted":
-            plans[e.plan] += 1
-        elif k == "EndpointPublished":
-            published[e.endpoint.kind] += 1
-        elif k == "PublicationRefused":
-            refused[e.reason] += 1
-        elif k in ("EndpointEvicted", "EndpointLost"):
-            (evicted if k == "EndpointEvicted" else lost)[e.reason] += 1
-    outcomes["open"] = queued - sum(outcomes.values())
-    held = Counter(s.facts.kind for s in store.endpoints.values())
-    return {"events": src.count, "requests": queued, "outcomes": dict(outcomes),
-            "plans": dict(plans), "published": dict(published), "refused": dict(refused),
-            "evicted": dict(evicted), "lost": dict(lost),
-            "store": {"endpoints": len(store.endpoints), "by_kind": dict(held),
-                      "max_endpoints": store.max_endpoints, "applied_seq": store.applied_seq}}
-
-
-def check(src: Source) -> tuple[JournalChecker, InvariantViolation | JournalError | None]:
-    """Feed every event to the checker; stop at the first violation, or at an event that
-    cannot be read (what was verified before it stands)."""
-    checker = JournalChecker()
-    try:
-        for e in src.events(progress=True, lean=True):
-            checker.feed(e)
-    except (InvariantViolation, JournalError) as v:
-        return checker, v
-    return checker, None
 
 
 def lead_up(src: Source, v: InvariantViolation, n: int = LEAD_UP) -> list[dict]:
@@ -276,27 +219,27 @@ def _replay(args: argparse.Namespace, src: Source) -> int:
 
 
 def _check(args: argparse.Namespace, src: Source) -> int:
-    checker, v = check(src)
+    done, v = check(src)
     if v is None:
-        doc = {"ok": True, "events": checker.events, "requests": len(checker.requests)}
+        doc = {"ok": True, "events": done.events, "requests": done.requests}
         if args.json:
             return _dump(doc)
-        print(f"{checker.events} events, {len(checker.requests)} requests: every "
+        print(f"{done.events} events, {done.requests} requests: every "
               "journal-checkable invariant holds")
         return 0
     if isinstance(v, JournalError):  # unreadable from here on: say what did check out
-        doc = {"ok": False, "error": str(v), "verified_events": checker.events,
-               "verified_up_to_seq": checker.last_seq}
+        doc = {"ok": False, "error": str(v), "verified_events": done.events,
+               "verified_up_to_seq": done.last_seq}
         if args.json:
             _dump(doc)
         else:
             print(f"ninfer journal check: {v}", file=sys.stderr)
-            print(f"{checker.events} events (up to seq {checker.last_seq}) were read and every "
+            print(f"{done.events} events (up to seq {done.last_seq}) were read and every "
                   "journal-checkable invariant held up to there", file=sys.stderr)
         return 2
     before = lead_up(src, v)
     doc = {"ok": False, "invariant": v.invariant, "seq": v.seq, "request": v.request,
-           "message": str(v), "verified_events": checker.events - 1, "lead_up": before}
+           "message": str(v), "verified_events": done.events, "lead_up": before}
     if args.json:
         _dump(doc)
         return 1

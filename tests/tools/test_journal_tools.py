@@ -210,7 +210,7 @@ def test_help_names_every_command(capsys):
 
 
 def test_a_progress_bar_on_stderr_above_the_threshold(journal, capsys, monkeypatch):
-    import ninfer.tools.journal as tools
+    import ninfer.tools.scan as tools  # the threshold of every journal command
     monkeypatch.setattr(tools, "PROGRESS_MIN", 0)
     rc, out, err = run(capsys, "check", journal)
     assert rc == 0 and "ev" in err and "holds" in out
