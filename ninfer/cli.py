@@ -24,7 +24,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _bench_journal(args: argparse.Namespace) -> int:
     from .bench.journal import main as bench_journal
-    return bench_journal(events=args.events, json_path=args.json)
+    return bench_journal(events=args.events, json_path=args.json, repeat=args.repeat)
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
@@ -126,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     journal_bench.add_argument("--events", type=int, default=1_000_000,
                                help="events in the journal (default 1,000,000)")
     journal_bench.add_argument("--json", default=None, help="also write the results here")
+    journal_bench.add_argument("--repeat", type=int, default=3,
+                               help="runs of each timed pass; the best is reported (default 3)")
     journal_bench.set_defaults(func=_bench_journal)
     add_bench_serve_parser(bench_sub)
     return parser

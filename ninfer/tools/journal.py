@@ -41,7 +41,7 @@ class Source:
             # -wal / -shm files behind; with one, read-only through SQLite's WAL protocol
             idle = not Path(f"{path}-wal").exists()
             uri = Path(path).resolve().as_uri() + ("?mode=ro&immutable=1" if idle else "?mode=ro")
-            self.conn = sqlite3.connect(uri, uri=True)
+            self.conn, self.conn_uri = sqlite3.connect(uri, uri=True), uri
             tables = {r[0] for r in self.conn.execute(
                 "SELECT name FROM sqlite_master WHERE type='table'")}
             meta = dict(self.conn.execute("SELECT key, value FROM meta")) \

@@ -20,13 +20,16 @@ import contextlib
 import multiprocessing
 import sqlite3
 import sys
+import threading
 from collections import Counter
 from dataclasses import dataclass
 
 from tqdm import tqdm
+from tqdm._monitor import TMonitor
 
 from ..lifecycle import events as ev
 from ..lifecycle.checks import (
+    LEAVING_KINDS,
     STORE_KINDS,
     PayloadView,
     RequestChecks,
@@ -88,13 +91,34 @@ def _unreadable(src, e: sqlite3.Error, after: int) -> JournalError:
                            "payload is not JSON", bad[0])
 
 
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+_NO_BAR = _NoBar()
+tqdm.monitor_interval = 0  # see `_reading`
+
+
+def _forkable() -> bool:
+    """Whether this process may fork: no thread but this one runs (a fork copies the locks
+    other threads hold, never their release), tqdm's monitor aside, which holds none long."""
+    return all(t is threading.main_thread() or isinstance(t, TMonitor)
+               for t in threading.enumerate())
+
+
 @contextlib.contextmanager
 def _reading(src, select: str, where: str = "", progress: bool = False):
     """A cursor over `select` of every event in seq order (iterated row by row: cheaper than
     batches) and a progress bar the reader updates every TICK rows."""
     total = src.count if progress else 0
-    bar = tqdm(total=total, disable=total <= PROGRESS_MIN, file=sys.stderr, unit="ev",
-               leave=False)
+    # no bar at all when hidden (a forked pass must not touch tqdm's lock), and none with a
+    # monitor thread (a thread alive would keep `check` from forking)
+    bar = tqdm(total=total, file=sys.stderr, unit="ev", leave=False, mininterval=0.5) \
+        if total > PROGRESS_MIN else _NO_BAR
     try:
         yield src.conn.execute(f"SELECT {select} FROM events {where} ORDER BY seq"), bar
     finally:
@@ -125,59 +149,141 @@ def _unknown(src, seq: int, kind: str) -> JournalError:
 
 # --- replay ----------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class Overview:
+    """What SQLite alone tells of a journal, in one scan: events per kind, the first event of
+    an unknown kind, the first payload that is not JSON among the kinds a pass does not
+    decode itself, the first gap in seq (the seq after it, and the seq before it)."""
+
+    counts: dict[str, int]
+    first_seq: int
+    unknown: tuple[int, str] | None
+    not_json: tuple[int, str] | None
+    gap: tuple[int, int] | None
+
+    def problems(self, path: str) -> list[tuple[int, int, Exception]]:
+        """(seq, order at that seq, the error) of each: the gap before reading the event."""
+        out: list[tuple[int, int, Exception]] = []
+        if self.gap is not None:
+            out.append((self.gap[0], 0, InvariantViolation(
+                4, self.gap[0], f"seq gap after {self.gap[1]}")))
+        for found, what in ((self.unknown, "unknown event kind"),
+                            (self.not_json, "payload is not JSON")):
+            if found is not None:
+                out.append((found[0], 1, UnreadableEvent(
+                    f"journal {path}: undecodable {found[1]!r} event at seq {found[0]}: "
+                    + (f"{what} {found[1]!r}" if found is self.unknown else what), found[0])))
+        return out
+
+
+def overview(src, decoded, counted=()) -> Overview:
+    """The Overview, in one scan without sorting. `decoded`: the kinds whose payloads the
+    caller parses itself; `counted`: the kinds to count. Run on a thread of its own (SQLite
+    works without Python's lock while it scans) beside a pass."""
+    conn = sqlite3.connect(src.conn_uri, uri=True)
+    try:
+        counts = "".join(f", sum(kind = '{k}')" for k in counted)
+        row = conn.execute(
+            "SELECT count(*), min(seq), max(seq), min(CASE WHEN kind NOT IN "
+            f"({_quoted(ev.EVENT_TYPES)}) THEN seq END), min(CASE WHEN kind NOT IN "
+            f"({_quoted(decoded)}) AND NOT json_valid(data) THEN seq END){counts} "
+            "FROM events").fetchone()
+        n, lo, hi, unknown, not_json = row[:5]
+
+        def named(seq: int | None) -> tuple[int, str] | None:
+            return None if seq is None else (seq, conn.execute(
+                "SELECT kind FROM events WHERE seq = ?", (seq,)).fetchone()[0])
+        gap = None
+        if n and hi - lo + 1 != n:
+            missing = conn.execute(
+                "SELECT e.seq + 1 FROM events e WHERE e.seq < ? AND NOT EXISTS (SELECT 1 "
+                "FROM events f WHERE f.seq = e.seq + 1) ORDER BY e.seq LIMIT 1",
+                (hi,)).fetchone()[0]
+            after = conn.execute("SELECT min(seq) FROM events WHERE seq > ?",
+                                 (missing,)).fetchone()[0]
+            gap = (after, missing - 1)
+        return Overview(dict(zip(counted, (c or 0 for c in row[5:]), strict=True)), lo or 0,
+                        named(unknown), named(not_json), gap)
+    finally:
+        conn.close()
+
+
+class _Beside(threading.Thread):
+    """`fn()` on a thread; `result()` its value or its exception."""
+
+    def __init__(self, fn) -> None:
+        super().__init__(daemon=True)
+        self.fn, self.value, self.error = fn, None, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            self.error = e
+
+    def result(self):
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
 _SUMMARISED = frozenset({"RequestCancelled", "RequestFailed", "PublicationRefused"})
-# the others' payloads are checked to be JSON, by SQLite (1 or 0 in place of the payload)
-_REPLAY_SELECT = (f"seq, {_ENVELOPE_OF({*FOLD_KINDS, *_SUMMARISED})}, kind, CASE WHEN kind IN "
-                  f"({_quoted({*FOLD_KINDS, *_SUMMARISED})}) THEN {_LEAN} "
-                  f"ELSE json_valid(data) END")
+_REPLAYED = frozenset({*FOLD_KINDS, *_SUMMARISED})
+_REPLAY_SELECT = f"seq, time, request, conversation, kind, {_LEAN}"
+_REPLAY_WHERE = f"WHERE kind IN ({_quoted(_REPLAYED)})"
 
 
 def replay_summary(src) -> dict:
-    """One pass: the fold, and counts of what happened. InvariantViolation where the fold
-    cannot go on (a gap in seq among them)."""
+    """The fold over the kinds it reads, and counts of what happened; the counts of the
+    others, unknown kinds, payloads that are not JSON and gaps in seq come from SQLite,
+    scanning beside it. InvariantViolation or JournalError at the first problem, where the
+    fold cannot go on."""
     outcomes, plans, published, refused, evicted, lost = (Counter() for _ in range(6))
-    queued = 0
     store = ContinuationStore()
-    known = ev.EVENT_TYPES
-    seq = last = ticked = 0
-    with _reading(src, _REPLAY_SELECT, progress=True) as (rows, bar), _stopped(src, lambda: seq):
-        for row in rows:
-            seq, kind, data = row[0], row[4], row[5]
-            if not seq & _MASK:
-                bar.update(seq - ticked)
-                ticked = seq
-            if seq != last + 1 and last:
-                raise InvariantViolation(4, seq, f"seq gap after {last}", row[2])
-            last = seq
-            if type(data) is int:  # a kind the fold and the summary know by its name
-                if kind not in known:
-                    raise _unknown(src, seq, kind)
-                if not data:
-                    raise JournalError(f"journal {src.path}: undecodable {kind!r} event at "
-                                       f"seq {seq}: payload is not JSON")
-                if kind == "RequestQueued":
-                    queued += 1
-                elif kind == "RequestFinished":
-                    outcomes["finished"] += 1
-                continue
-            e = _decode(src, row)
-            store.apply(e)
-            if kind == "StoreSnapshotted" and not queued and not outcomes:
-                queued += len(e.requests)  # a rotated file: requests carried over, still open
-            elif kind == "RequestCancelled":
-                outcomes[f"cancelled({e.at_state})"] += 1
-            elif kind == "RequestFailed":
-                outcomes[f"failed({e.failure})"] += 1
-            elif kind == "RequestStarted":
-                plans[e.plan] += 1
-            elif kind == "EndpointPublished":
-                published[e.endpoint.kind] += 1
-            elif kind == "PublicationRefused":
-                refused[e.reason] += 1
-            elif kind in ("EndpointEvicted", "EndpointLost"):
-                (evicted if kind == "EndpointEvicted" else lost)[e.reason] += 1
+    beside = _Beside(lambda: overview(src, _REPLAYED, ("RequestQueued", "RequestFinished")))
+    seq = ticked = 0
+    carried = (0, 0)
+    stopped: tuple[int, int, Exception] | None = None
+    try:
+        with _reading(src, _REPLAY_SELECT, _REPLAY_WHERE, progress=True) as (rows, bar), \
+                _stopped(src, lambda: seq):
+            for row in rows:
+                seq, kind = row[0], row[4]
+                if seq - ticked > _MASK:
+                    bar.update(seq - ticked)
+                    ticked = seq
+                e = _decode(src, row)
+                if kind == "StoreSnapshotted" and store.applied_seq == 0:
+                    carried = (seq, len(e.requests))
+                store.apply(e)
+                if kind == "RequestCancelled":
+                    outcomes[f"cancelled({e.at_state})"] += 1
+                elif kind == "RequestFailed":
+                    outcomes[f"failed({e.failure})"] += 1
+                elif kind == "RequestStarted":
+                    plans[e.plan] += 1
+                elif kind == "EndpointPublished":
+                    published[e.endpoint.kind] += 1
+                elif kind == "PublicationRefused":
+                    refused[e.reason] += 1
+                elif kind in ("EndpointEvicted", "EndpointLost"):
+                    (evicted if kind == "EndpointEvicted" else lost)[e.reason] += 1
+    except (InvariantViolation, JournalError) as v:
+        stopped = (getattr(v, "seq", seq), 1, v)
+    seen = beside.result()
+    problems = seen.problems(src.path) + ([stopped] if stopped else [])
+    if problems:
+        raise min(problems, key=lambda p: p[:2])[2]
+    last = seen.first_seq + src.count - 1
     if last > store.applied_seq:
         store.advance(last)  # the events after the last one it folded
+    queued = seen.counts.get("RequestQueued", 0)
+    if carried[0] == seen.first_seq:  # a rotated file: requests carried over, still open
+        queued += carried[1]
+    outcomes["finished"] += seen.counts.get("RequestFinished", 0)
+    outcomes = +outcomes
     outcomes["open"] = queued - sum(outcomes.values())
     held = Counter(s.facts.kind for s in store.endpoints.values())
     return {"events": src.count, "requests": queued, "outcomes": dict(outcomes),
@@ -227,28 +333,41 @@ _STORE_SELECT = (f"seq, {_ENVELOPE_OF(STORE_KINDS)}, kind, CASE WHEN kind = 'Req
                  "END")
 # every payload but a publication's (StoreChecks decodes those), by request
 _REQUEST_SELECT = ("seq, request, kind, CASE WHEN kind = 'EndpointPublished' THEN NULL ELSE "
-                   f"{_LEAN} END, CASE WHEN kind = 'RequestQueued' THEN conversation END")
-_REQUEST_WHERE = "WHERE request IS NOT NULL OR kind = 'StoreSnapshotted'"
+                   f"{_LEAN} END, CASE WHEN kind = 'RequestQueued' THEN conversation END, "
+                   # a commit as its frontier and its count (NULL: its payload is read)
+                   "CASE WHEN kind = 'TokensCommitted' THEN json_extract(data, '$.frontier') "
+                   "END, CASE WHEN kind = 'TokensCommitted' THEN CASE json_type(data, "
+                   "'$.tokens') WHEN 'array' THEN json_array_length(data, '$.tokens') WHEN "
+                   "'null' THEN coalesce(json_extract(data, '$.count'), 0) END END")
+# the store pass reads its kinds and those that free a lane; gaps and unknown kinds are
+# found by an Overview beside it
+_STORE_WHERE = f"WHERE kind IN ({_quoted(STORE_KINDS | LEAVING_KINDS)})"
+
+
+def _first(src) -> tuple[int, str]:
+    """The seq and kind of the journal's first event ((0, "") in an empty one)."""
+    row = src.conn.execute("SELECT seq, kind FROM events ORDER BY seq LIMIT 1").fetchone()
+    return row or (0, "")
 
 
 def _store_pass(src, stop, progress: bool) -> tuple[_Problem | None, StoreChecks]:
-    """StoreChecks over every event; `stop()`: a seq past which nothing matters any more."""
-    checks = StoreChecks()
-    known, view = ev.EVENT_TYPES, PayloadView.of
+    """StoreChecks over the store's kinds and those that free a lane (gaps are found
+    beside it); `stop()`: a seq past which nothing matters any more."""
+    checks = StoreChecks(contiguous=False)
+    first = _first(src)[0]
+    view = PayloadView.of
     stage = seq = ticked = 0
     try:
-        with _reading(src, _STORE_SELECT, progress=progress) as (rows, bar), \
+        with _reading(src, _STORE_SELECT, _STORE_WHERE, progress=progress) as (rows, bar), \
                 _stopped(src, lambda: seq):
             for row in rows:
                 seq, request, kind, data = row[0], row[2], row[4], row[5]
-                if not seq & _MASK:
+                if seq - ticked > _MASK:
                     bar.update(seq - ticked)
                     ticked = seq
                     if seq > stop():
                         break
                 if data is None:  # a kind read by its name
-                    if kind not in known:
-                        raise _unknown(src, seq, kind)
                     stage = 1
                     checks.skip(seq, kind, request)
                     continue
@@ -257,7 +376,7 @@ def _store_pass(src, stop, progress: bool) -> tuple[_Problem | None, StoreChecks
                               "tenant": data})
                 else:
                     e = _decode(src, row)
-                    if kind == "StoreSnapshotted" and checks.last_seq == 0:
+                    if kind == "StoreSnapshotted" and seq == first:
                         checks.resume(e)
                 stage = 1
                 checks.enter(seq, request)
@@ -272,21 +391,36 @@ def _store_pass(src, stop, progress: bool) -> tuple[_Problem | None, StoreChecks
 
 
 def _request_pass(src, stop) -> tuple[_Problem | None, int]:
-    """RequestChecks over every request's events; (first problem, requests seen)."""
+    """RequestChecks over every request's events, and over every event the things only a
+    whole scan finds: a gap in seq (invariant 4) and a kind no one knows. (The first
+    problem, requests seen.)"""
     checks = RequestChecks()
-    scan, new, View = ev._SCAN, object.__new__, PayloadView
-    seq = 0
+    scan, new, View, known = ev._SCAN, object.__new__, PayloadView, ev.EVENT_TYPES
+    commit = checks.commit
+    seq = last = 0
     try:
-        with _reading(src, _REQUEST_SELECT, _REQUEST_WHERE) as (rows, _), \
-                _stopped(src, lambda: seq):
-            for seq, request, kind, data, conversation in rows:
+        with _reading(src, _REQUEST_SELECT) as (rows, _), _stopped(src, lambda: seq):
+            for seq, request, kind, data, conversation, frontier, n in rows:
+                if kind not in known:
+                    raise _unknown(src, seq, kind)
+                if seq != last + 1:
+                    if last or kind != "StoreSnapshotted":  # only a rotated file starts later
+                        return _Problem(seq, 1, 4, f"seq gap or repeat after {last}"), \
+                            len(checks.requests)
+                    row = src.conn.execute(f"SELECT {_COLUMNS} FROM events WHERE seq = ?",
+                                           (seq,)).fetchone()
+                    checks.resume(_decode(src, row))  # carry on from what the snapshot says
+                last = seq
                 if not seq & _MASK and seq > stop():
                     break
-                if kind == "StoreSnapshotted":
-                    if not checks.requests:  # a rotated journal: carry on from its snapshot
-                        row = src.conn.execute(f"SELECT {_COLUMNS} FROM events WHERE seq = ?",
-                                               (seq,)).fetchone()
-                        checks.resume(_decode(src, row))
+                if request is None:
+                    continue
+                if n is not None:  # a commit (SQLite read its payload: a JSON object)
+                    try:
+                        commit(checks.open(kind, seq, request), seq, request, frontier, n)
+                    except TypeError as e:
+                        raise JournalError(f"journal {src.path}: undecodable {kind!r} event "
+                                           f"at seq {seq}: {e}") from e
                     continue
                 if data is None:
                     p = {}
@@ -313,7 +447,7 @@ def _request_pass(src, stop) -> tuple[_Problem | None, int]:
 
 
 def _request_child(path: str, limit, out) -> None:
-    """The request pass in a second process, on its own read-only connection."""
+    """The request checks in a process of their own, on their own connection."""
     from .journal import Source  # the parent's connection is not shared across the fork
     try:
         result = _request_pass(Source(path), lambda: limit.value)
@@ -323,49 +457,72 @@ def _request_child(path: str, limit, out) -> None:
     out.close()
 
 
+class _RequestProcess:
+    """The request checks in a second process, so that they and the store pass (here) keep
+    both cores busy. `stop()`: the seq at which they found a problem, once they have (the
+    store pass need not read past it)."""
+
+    never = 1 << 62
+
+    def __init__(self, path: str) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self.limit = ctx.Value("q", self.never, lock=False)
+        self.pipe, send = ctx.Pipe(duplex=False)
+        self.child = ctx.Process(target=_request_child, args=(path, self.limit, send),
+                                 daemon=True)
+        self.child.start()
+        send.close()
+        self.result: tuple[_Problem | None, int] | None = None
+
+    def _take(self) -> tuple[_Problem | None, int]:
+        if self.result is None:
+            try:
+                self.result = self.pipe.recv()
+            except EOFError:
+                raise JournalError(f"the request checks' process died (exit "
+                                   f"{self.child.exitcode})") from None
+        return self.result
+
+    def stop(self) -> int:
+        if self.result is None and not self.pipe.poll():
+            return self.never
+        problem = self._take()[0]
+        return self.never if problem is None else problem.seq
+
+    def collect(self, store_problem: _Problem | None) -> tuple[_Problem | None, int]:
+        """Their first problem and the requests they saw (after telling them where the store
+        pass stopped: they need not go past it)."""
+        if store_problem is not None:
+            self.limit.value = store_problem.seq
+        try:
+            return self._take()
+        finally:
+            self.child.join(timeout=10)
+
+
 def check(src, parallel: bool | None = None
           ) -> tuple[CheckResult, InvariantViolation | JournalError | None]:
     """Every journal-checkable invariant; the first problem (a violation, or an event that
     cannot be read: what was verified before it stands) or None. `parallel`: the request
-    checks in a second process (default: for journals of PARALLEL_MIN events or more)."""
-    never = 1 << 62
-    if parallel is None:
-        parallel = src.count >= PARALLEL_MIN
+    checks in a second process (default: for journals of PARALLEL_MIN events or more,
+    where fork is safe)."""
+    never = _RequestProcess.never
+    if parallel is None:  # (a fork beside other threads could copy a lock one of them holds)
+        parallel = src.count >= PARALLEL_MIN and _forkable()
     if parallel and "fork" in multiprocessing.get_all_start_methods():
-        ctx = multiprocessing.get_context("fork")
-        limit = ctx.Value("q", never, lock=False)
-        receive, send = ctx.Pipe(duplex=False)
-        child = ctx.Process(target=_request_child, args=(src.path, limit, send), daemon=True)
-        child.start()
-        send.close()
+        other = _RequestProcess(src.path)
+        store_problem, checks = _store_pass(src, other.stop, progress=True)
         try:
-            # the store pass stops early once the request pass has a problem before it
-            polled = {"seq": never}
-
-            def stop() -> int:
-                if "result" not in polled and receive.poll():
-                    polled["result"] = receive.recv()
-                    first = polled["result"][0]
-                    polled["seq"] = first.seq if first is not None else never
-                return polled["seq"]
-            store_problem, checks = _store_pass(src, stop, progress=True)
-            if store_problem is not None:
-                limit.value = store_problem.seq  # the request pass need not go past it
-            if "result" not in polled:
-                polled["result"] = receive.recv()
-            request_problem, requests = polled["result"]
-        except EOFError:
-            raise JournalError(f"journal {src.path}: the request checks' process died "
-                               f"(exit {child.exitcode})") from None
-        finally:
-            child.join(timeout=10)
+            request_problem, requests = other.collect(store_problem)
+        except JournalError as e:
+            raise JournalError(f"journal {src.path}: {e}") from None
     else:
         request_problem, requests = _request_pass(src, lambda: never)
         store_problem, checks = _store_pass(
             src, lambda: request_problem.seq if request_problem else never, progress=True)
     problems = [p for p in (store_problem, request_problem) if p is not None]
     if not problems:
-        return CheckResult(checks.events, requests, checks.last_seq), None
+        return CheckResult(src.count, requests, _first(src)[0] + src.count - 1), None
     first = min(problems)
     if first.invariant == 0 and first.seq == 0:  # the other process failed outright
         raise JournalError(first.message)
