@@ -122,18 +122,20 @@ class Engine:
         self.model.synchronize()  # a (re)starting server has no work in flight
         open_requests: dict[str, str | None] = {}
         if self.journal is not None:
-            kinds = (*FOLD_KINDS, "RequestQueued", *ev.TERMINAL_KINDS)
-            for event in self.journal.read(kinds=kinds):  # what recovery needs, nothing more
+            for event in self.journal.read(kinds=FOLD_KINDS):  # what recovery needs
                 self.store.apply(event)
                 if isinstance(event, ev.StoreSnapshotted):  # a rotated journal's opening
                     for rid, r in event.requests.items():
                         open_requests[rid] = r["session"]
                         self._ids.add(rid)
-                elif isinstance(event, ev.RequestQueued):
-                    open_requests[event.request] = event.conversation
-                    self._ids.add(event.request)  # ids stay unique across restarts
-                elif event.kind in ev.TERMINAL_KINDS:
-                    open_requests.pop(event.request, None)
+            # then who came and went, without their payloads (a snapshot opens the file)
+            for _, rid, conversation, kind in self.journal.envelopes(
+                    ("RequestQueued", *ev.TERMINAL_KINDS)):
+                if kind == "RequestQueued":
+                    open_requests[rid] = conversation
+                    self._ids.add(rid)  # ids stay unique across restarts
+                else:
+                    open_requests.pop(rid, None)
             self.log.seq = self.journal.last_seq
         for rid, conversation in open_requests.items():
             self.log.emit(ev.RequestFailed, request=rid, conversation=conversation,

@@ -92,24 +92,38 @@ class RequestChecks:
                                      f"seq {r.ended_at}", request)
         return r
 
+    # each kind's checks on the values they read: `feed` takes them from an event, journal
+    # check from the columns SQLite extracts of the most common kinds
     def _queued(self, e, _r) -> None:
-        if e.request in self.requests:
-            raise _violation(4, e, "request queued twice")
-        key = (e.tenant, e.conversation or "")
-        self.requests[e.request] = _Req(e.tenant, e.conversation, e.prompt_len,
-                                        after_cancel=key in self.cancelled_sessions)
+        self.queued(e.seq, e.request, e.tenant, e.conversation, e.prompt_len)
+
+    def queued(self, seq: int, request: str, tenant: str, conversation: str | None,
+               prompt_len: int) -> None:
+        if request in self.requests:
+            raise InvariantViolation(4, seq, "request queued twice", request)
+        self.requests[request] = _Req(tenant, conversation, prompt_len, after_cancel=(
+            tenant, conversation or "") in self.cancelled_sessions)
 
     def _started(self, e, r: _Req) -> None:
+        self.started(r, e.seq, e.request, e.reuse_base)
+
+    @staticmethod
+    def started(r: _Req, seq: int, request: str, reuse_base: int) -> None:
         length = r.prompt_len + r.outputs
-        if e.reuse_base >= length:
-            raise _violation(2, e, f"reuse_base {e.reuse_base} >= sequence length {length}")
-        r.state, r.reuse_base, r.frontier = "Prefilling", e.reuse_base, e.reuse_base
+        if reuse_base >= length:
+            raise InvariantViolation(2, seq, f"reuse_base {reuse_base} >= sequence length "
+                                     f"{length}", request)
+        r.state, r.reuse_base, r.frontier = "Prefilling", reuse_base, reuse_base
 
     def _advanced(self, e, r: _Req) -> None:
-        if e.cursor <= r.frontier:
-            raise _violation(9, e, f"prefill cursor {e.cursor} did not advance past "
-                             f"{r.frontier}")
-        r.frontier = e.cursor
+        self.advanced(r, e.seq, e.request, e.cursor)
+
+    @staticmethod
+    def advanced(r: _Req, seq: int, request: str, cursor: int) -> None:
+        if cursor <= r.frontier:
+            raise InvariantViolation(9, seq, f"prefill cursor {cursor} did not advance past "
+                                     f"{r.frontier}", request)
+        r.frontier = cursor
 
     def _committed(self, e, r: _Req) -> None:
         self.commit(r, e.seq, e.request, e.frontier,
@@ -117,25 +131,28 @@ class RequestChecks:
 
     @staticmethod
     def commit(r: _Req, seq: int, request: str, frontier: int, n: int) -> None:
-        """A TokensCommitted of `n` tokens at `seq`, to `frontier`: some, and forward. (Journal
-        check reads the most common event as these two numbers, not as a payload.)"""
+        """A TokensCommitted of `n` tokens: some, and forward."""
         if not n or frontier < r.frontier:
             raise InvariantViolation(9, seq, f"frontier went from {r.frontier} to {frontier}",
                                      request)
         r.frontier = frontier
         r.outputs += n
 
+    def _finished(self, e, r: _Req) -> None:
+        self.finished(r, e.seq, e.request, e.cached_tokens)
+
+    @staticmethod
+    def finished(r: _Req, seq: int, request: str, cached_tokens: int) -> None:
+        r.state, r.ended_at = "RequestFinished", seq
+        if cached_tokens != r.reuse_base:
+            raise InvariantViolation(10, seq, f"cached_tokens {cached_tokens} != plan's "
+                                     f"reuse_base {r.reuse_base}", request)
+
     @staticmethod
     def _state(new: str):
         def handler(self: RequestChecks, e, r: _Req) -> None:
             r.state = new
         return handler
-
-    def _finished(self, e, r: _Req) -> None:
-        self._ended(e, r, "RequestFinished")
-        if e.cached_tokens != r.reuse_base:
-            raise _violation(10, e, f"cached_tokens {e.cached_tokens} != plan's reuse_base "
-                             f"{r.reuse_base}")
 
     def _failed(self, e, r: _Req) -> None:
         self._ended(e, r, "RequestFailed")

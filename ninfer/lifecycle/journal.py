@@ -260,6 +260,14 @@ class Journal:
                                            f"at seq {row[0]}: {e}") from e
                     yield ev
 
+    def envelopes(self, kinds: Sequence[str]) -> Iterator[tuple[int, str | None, str | None, str]]:
+        """(seq, request, conversation, kind) of the events of `kinds` in seq order, their
+        payloads left unread: who came and went, for recovery."""
+        sql = (f"SELECT seq, request, conversation, kind FROM events WHERE kind IN "
+               f"({','.join('?' * len(kinds))}) ORDER BY seq")
+        with self._errors("reading events"):
+            yield from self._conn.execute(sql, list(kinds))
+
     @property
     def first_seq(self) -> int:
         """The seq of the file's first event (a rotated file's continues its predecessor)."""

@@ -17,6 +17,7 @@ SQLite before Python parses the JSON ("lean"):
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing
 import sqlite3
 import sys
@@ -123,6 +124,20 @@ def _reading(src, select: str, where: str = "", progress: bool = False):
         yield src.conn.execute(f"SELECT {select} FROM events {where} ORDER BY seq"), bar
     finally:
         bar.close()
+
+
+@contextlib.contextmanager
+def _collector_off():
+    """Python's cycle collector paused for a pass: a pass builds millions of short-lived
+    objects and no cycles, and each collection would walk the whole heap (in a forked
+    child, copying every page it touches)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 @contextlib.contextmanager
@@ -235,6 +250,7 @@ _REPLAY_SELECT = f"seq, time, request, conversation, kind, {_LEAN}"
 _REPLAY_WHERE = f"WHERE kind IN ({_quoted(_REPLAYED)})"
 
 
+@_collector_off()
 def replay_summary(src) -> dict:
     """The fold over the kinds it reads, and counts of what happened; the counts of the
     others, unknown kinds, payloads that are not JSON and gaps in seq come from SQLite,
@@ -332,13 +348,23 @@ _STORE_SELECT = (f"seq, {_ENVELOPE_OF(STORE_KINDS)}, kind, CASE WHEN kind = 'Req
                  f"WHEN kind IN ({_quoted(STORE_KINDS - {'RequestQueued'})}) THEN {_LEAN} "
                  "END")
 # every payload but a publication's (StoreChecks decodes those), by request
-_REQUEST_SELECT = ("seq, request, kind, CASE WHEN kind = 'EndpointPublished' THEN NULL ELSE "
-                   f"{_LEAN} END, CASE WHEN kind = 'RequestQueued' THEN conversation END, "
-                   # a commit as its frontier and its count (NULL: its payload is read)
-                   "CASE WHEN kind = 'TokensCommitted' THEN json_extract(data, '$.frontier') "
-                   "END, CASE WHEN kind = 'TokensCommitted' THEN CASE json_type(data, "
-                   "'$.tokens') WHEN 'array' THEN json_array_length(data, '$.tokens') WHEN "
-                   "'null' THEN coalesce(json_extract(data, '$.count'), 0) END END")
+# The request checks' most common kinds come as the one or two values their checks read,
+# extracted by SQLite (x, y; payload NULL); a y of NULL (a field missing, a payload that is
+# not an object) sends the event the long way, as a parsed payload
+_COMMIT_COUNT = ("CASE json_type(data, '$.tokens') WHEN 'array' THEN json_array_length(data, "
+                 "'$.tokens') WHEN 'null' THEN coalesce(json_extract(data, '$.count'), 0) END")
+_EXTRACTED = {  # kind: (x, y)
+    "TokensCommitted": ("json_extract(data, '$.frontier')", _COMMIT_COUNT),
+    "RequestQueued": ("json_extract(data, '$.prompt_len')", "json_extract(data, '$.tenant')"),
+    "RequestStarted": ("json_extract(data, '$.reuse_base')", "1"),
+    "PrefillAdvanced": ("json_extract(data, '$.cursor')", "1"),
+    "RequestFinished": ("json_extract(data, '$.cached_tokens')", "1"),
+}
+_REQUEST_SELECT = (
+    f"seq, request, kind, CASE WHEN kind IN ({_quoted({*_EXTRACTED, 'EndpointPublished'})}) "
+    f"THEN NULL ELSE {_LEAN} END, CASE WHEN kind = 'RequestQueued' THEN conversation END, "
+    + ", ".join("CASE kind " + " ".join(f"WHEN '{k}' THEN {xy[i]}" for k, xy in
+                                        _EXTRACTED.items()) + " END" for i in (0, 1)))
 # the store pass reads its kinds and those that free a lane; gaps and unknown kinds are
 # found by an Overview beside it
 _STORE_WHERE = f"WHERE kind IN ({_quoted(STORE_KINDS | LEAVING_KINDS)})"
@@ -396,11 +422,12 @@ def _request_pass(src, stop) -> tuple[_Problem | None, int]:
     problem, requests seen.)"""
     checks = RequestChecks()
     scan, new, View, known = ev._SCAN, object.__new__, PayloadView, ev.EVENT_TYPES
-    commit = checks.commit
+    open_, commit, started = checks.open, checks.commit, checks.started
+    advanced, finished = checks.advanced, checks.finished
     seq = last = 0
     try:
         with _reading(src, _REQUEST_SELECT) as (rows, _), _stopped(src, lambda: seq):
-            for seq, request, kind, data, conversation, frontier, n in rows:
+            for seq, request, kind, data, conversation, x, y in rows:
                 if kind not in known:
                     raise _unknown(src, seq, kind)
                 if seq != last + 1:
@@ -415,13 +442,25 @@ def _request_pass(src, stop) -> tuple[_Problem | None, int]:
                     break
                 if request is None:
                     continue
-                if n is not None:  # a commit (SQLite read its payload: a JSON object)
+                if y is not None and x is not None:  # the values SQLite extracted
                     try:
-                        commit(checks.open(kind, seq, request), seq, request, frontier, n)
+                        if kind == "TokensCommitted":
+                            commit(open_(kind, seq, request), seq, request, x, y)
+                        elif kind == "RequestQueued":
+                            checks.queued(seq, request, y, conversation, x)
+                        elif kind == "PrefillAdvanced":
+                            advanced(open_(kind, seq, request), seq, request, x)
+                        elif kind == "RequestStarted":
+                            started(open_(kind, seq, request), seq, request, x)
+                        else:
+                            finished(open_(kind, seq, request), seq, request, x)
                     except TypeError as e:
                         raise JournalError(f"journal {src.path}: undecodable {kind!r} event "
                                            f"at seq {seq}: {e}") from e
                     continue
+                if kind in _EXTRACTED:  # the long way: its payload (the whole of it)
+                    data = src.conn.execute("SELECT data FROM events WHERE seq = ?",
+                                            (seq,)).fetchone()[0]
                 if data is None:
                     p = {}
                 else:
@@ -500,6 +539,7 @@ class _RequestProcess:
             self.child.join(timeout=10)
 
 
+@_collector_off()
 def check(src, parallel: bool | None = None
           ) -> tuple[CheckResult, InvariantViolation | JournalError | None]:
     """Every journal-checkable invariant; the first problem (a violation, or an event that
