@@ -6,8 +6,8 @@
 #
 #   bench/gpu.sh [kernels] [engine] [baseline] [skinny]   (default: the first three)
 #
-# Wheels to carry (fetched on a machine with network, see bench/README.md): fla-core,
-# transitions, sqlite-utils, sqlite-fts4, click-default-group.
+# Wheels to carry (pip download --no-deps on a machine with network): fla-core,
+# transitions, sqlite-utils, sqlite-fts4, click-default-group (README.md, "On the GPU").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
