@@ -49,8 +49,10 @@ def kernels_for(x) -> SimpleNamespace | None:
 
 
 # GEMMs of up to this many rows (B * T) take the skinny kernels, their neighbours folded in;
-# more rows (prefill) take cuBLAS. 0 turns them off (the benchmark's "before"); at most 8.
-SKINNY_ROWS = 8
+# more rows take cuBLAS. 0 turns them off (the benchmark's "before"); at most 8. One row: on
+# the H200 they made the batch-1 decode step 1.42x faster, and the batch-8 one 0.89x
+# (bench/results/skinny-h200.json), so a batch or a verify keeps cuBLAS
+SKINNY_ROWS = 1
 
 
 def skinny_for(x) -> SimpleNamespace | None:

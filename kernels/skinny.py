@@ -62,13 +62,13 @@ def tiles_for(M: int, N: int, K: int, glu: bool, device: torch.device) -> Tiles:
     if device.type != "cuda":  # the interpreter: as few programs as fit, each one step
         return Tiles(min(64, triton.next_power_of_2(N)), triton.next_power_of_2(K),
                      dot=M > 1)
-    if M == 1:
-        if N <= 2048:  # the projections back to the hidden size: split K for programs
-            return Tiles(8, 512, 4, split=4 if K >= 2048 else 2)
-        return Tiles(8 if glu else 16, 512, 4)
+    if M == 1:  # the H200 sweep's best for anchor-1b's shapes (bench/results/skinny-h200.json)
+        if N <= 2048:  # the projections back to the hidden size: wide steps along K
+            return Tiles(16, 1024, 8)
+        return Tiles(4 if glu else 8, 512, 4)
     if N <= 2048:
-        return Tiles(16, 256, 4, split=4, dot=True)
-    return Tiles(16, 256, 4, dot=True)
+        return Tiles(16, 256, 4, split=4 if K >= 3072 else 1, dot=True)
+    return Tiles(64 if N > 65536 else 32, 128 if N > 65536 else 256, 4, dot=True)
 
 
 @triton.jit

@@ -202,6 +202,7 @@ def bench_model(tuned: dict) -> dict:
     out: dict = {}
     logits: dict = {}
     modes = [("before", 0, {}), ("after", 8, {})] + ([("tuned", 8, tuned)] if tuned else [])
+    default = kernels.SKINNY_ROWS
     for label, rows, table in modes:
         kernels.SKINNY_ROWS = rows
         skinny.TUNED.clear()
@@ -219,7 +220,7 @@ def bench_model(tuned: dict) -> dict:
             cap = m.graphs.graphs[(B, 64)]
             out[f"{label}_replay_b{B}_us"] = _events_us(cap.graph.replay)
             out[f"{label}_step_b{B}_us"] = _wall_us(lambda items=items: m.forward_batch(items))
-    kernels.SKINNY_ROWS = 8
+    kernels.SKINNY_ROWS = default
     skinny.TUNED.clear()
     out["tuned_tiles"] = {str(k): tuple(v) for k, v in tuned.items()}
     for label, _, _ in modes[1:]:
