@@ -6,12 +6,14 @@ progress, state changes). Each pass asks SQLite for the payload of only the kind
 SQLite before Python parses the JSON ("lean"):
 
 - `replay_summary`: the store's fold decodes its kinds (FOLD_KINDS) and the summary the few
-  whose fields it counts; every other event is a seq and a kind.
-- `check`: `StoreChecks` over the store's kinds in this process, and `RequestChecks` over
-  every request's events, read as `PayloadView`s of their JSON (every payload but a
-  publication's is parsed and must be one JSON object), in a second process when the
-  journal is large, so the two cores share the pass. The first problem is the one at the
-  smaller seq.
+  whose fields it counts, rows of those kinds only; the counts of the others, unknown kinds,
+  payloads that are not JSON and gaps come from one SQLite scan on a thread beside it.
+- `check`: `StoreChecks` over the store's kinds and those that free a lane, in this process,
+  and `RequestChecks` over every event (where gaps and unknown kinds are found too), in a
+  second process when the journal is large, so the two cores share the work. The request
+  pass reads the most common kinds as the one or two values their checks take, which SQLite
+  extracts; other payloads are parsed as `PayloadView`s and must be one JSON object. The
+  first problem is the one at the smaller seq.
 """
 
 from __future__ import annotations
@@ -347,10 +349,10 @@ _STORE_SELECT = (f"seq, {_ENVELOPE_OF(STORE_KINDS)}, kind, CASE WHEN kind = 'Req
                  "THEN json_extract(data, '$.tenant') "
                  f"WHEN kind IN ({_quoted(STORE_KINDS - {'RequestQueued'})}) THEN {_LEAN} "
                  "END")
-# every payload but a publication's (StoreChecks decodes those), by request
-# The request checks' most common kinds come as the one or two values their checks read,
-# extracted by SQLite (x, y; payload NULL); a y of NULL (a field missing, a payload that is
-# not an object) sends the event the long way, as a parsed payload
+# The request pass reads every event; its most common kinds come as the one or two values
+# their checks read, extracted by SQLite (x, y; payload NULL), and an x or y of NULL (a field
+# missing, a payload that is not an object) sends the event the long way, as a parsed
+# payload; a publication's payload is StoreChecks' alone (NULL here)
 _COMMIT_COUNT = ("CASE json_type(data, '$.tokens') WHEN 'array' THEN json_array_length(data, "
                  "'$.tokens') WHEN 'null' THEN coalesce(json_extract(data, '$.count'), 0) END")
 _EXTRACTED = {  # kind: (x, y)
@@ -365,8 +367,8 @@ _REQUEST_SELECT = (
     f"THEN NULL ELSE {_LEAN} END, CASE WHEN kind = 'RequestQueued' THEN conversation END, "
     + ", ".join("CASE kind " + " ".join(f"WHEN '{k}' THEN {xy[i]}" for k, xy in
                                         _EXTRACTED.items()) + " END" for i in (0, 1)))
-# the store pass reads its kinds and those that free a lane; gaps and unknown kinds are
-# found by an Overview beside it
+# the store pass reads its kinds and those that free a lane; gaps and unknown kinds are the
+# request pass's to find
 _STORE_WHERE = f"WHERE kind IN ({_quoted(STORE_KINDS | LEAVING_KINDS)})"
 
 
