@@ -379,8 +379,8 @@ def _first(src) -> tuple[int, str]:
 
 
 def _store_pass(src, stop, progress: bool) -> tuple[_Problem | None, StoreChecks]:
-    """StoreChecks over the store's kinds and those that free a lane (gaps are found
-    beside it); `stop()`: a seq past which nothing matters any more."""
+    """StoreChecks over the store's kinds and those that free a lane (gaps are the request
+    pass's to find); `stop()`: a seq past which nothing matters any more."""
     checks = StoreChecks(contiguous=False)
     first = _first(src)[0]
     view = PayloadView.of
@@ -432,13 +432,14 @@ def _request_pass(src, stop) -> tuple[_Problem | None, int]:
             for seq, request, kind, data, conversation, x, y in rows:
                 if kind not in known:
                     raise _unknown(src, seq, kind)
-                if seq != last + 1:
-                    if last or kind != "StoreSnapshotted":  # only a rotated file starts later
-                        return _Problem(seq, 1, 4, f"seq gap or repeat after {last}"), \
-                            len(checks.requests)
+                if seq != last + 1 and (last or kind != "StoreSnapshotted"):
+                    # (only a rotated file, opening with its snapshot, starts later)
+                    return _Problem(seq, 1, 4, f"seq gap or repeat after {last}"), \
+                        len(checks.requests)
+                if not last and kind == "StoreSnapshotted":  # carry on from what it says
                     row = src.conn.execute(f"SELECT {_COLUMNS} FROM events WHERE seq = ?",
                                            (seq,)).fetchone()
-                    checks.resume(_decode(src, row))  # carry on from what the snapshot says
+                    checks.resume(_decode(src, row))
                 last = seq
                 if not seq & _MASK and seq > stop():
                     break
