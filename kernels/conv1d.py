@@ -14,6 +14,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import pdl
+
 
 @triton.jit
 def _window(x_row, tail_row, s_xc, s_xt, s_tc, offs_c, mc, live_c, w, T, KM1: tl.constexpr):
@@ -37,8 +39,10 @@ def _conv_update_kernel(
     s_ob, s_ot, s_oc,  # tail output strides: [B, C, K-1] (s_ot = 0) or [B, T, C, K-1]
     K: tl.constexpr, KP: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_INDEX: tl.constexpr,
-    ALL_STATES: tl.constexpr,
+    ALL_STATES: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     i_c, b = tl.program_id(0), tl.program_id(1)
     offs_c = i_c * BC + tl.arange(0, BC)
     offs_t = tl.arange(0, BT)
@@ -146,5 +150,6 @@ def causal_conv1d_update(
         K=K, KP=max(2, triton.next_power_of_2(K - 1)), BC=BC, BT=BT,
         HAS_BIAS=bias is not None, SILU=activation == "silu",
         HAS_INDEX=state_indices is not None, ALL_STATES=all_states, num_warps=num_warps,
+        **pdl.launch(x),
     )
     return y, tail

@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import pdl
+
 
 def _rows(x: Tensor) -> Tensor:
     """x as [rows, D] with a unit last stride (a copy only when it cannot be a view)."""
@@ -31,7 +33,9 @@ def _rows(x: Tensor) -> Tensor:
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, D, s_x, s_r, s_y, s_h, eps, offset,
-                     BD: tl.constexpr, RESIDUAL: tl.constexpr):
+                     BD: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BD)
     m = cols < D
@@ -57,7 +61,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 1.0,
     _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, h, D, x2.stride(0), r2.stride(0),
                                      y.stride(0), h.stride(0), eps, offset,
                                      BD=triton.next_power_of_2(D),
-                                     RESIDUAL=residual is not None)
+                                     RESIDUAL=residual is not None, **pdl.launch(x))
     if residual is None:
         return y.view(x.shape)
     return y.view(x.shape), h.view(x.shape)
@@ -73,7 +77,10 @@ def rms_norm_reference(x, weight, eps, offset=1.0, residual=None):
 
 
 @triton.jit
-def _gated_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, D, s_x, s_z, s_y, eps, BD: tl.constexpr):
+def _gated_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, D, s_x, s_z, s_y, eps, BD: tl.constexpr,
+                       PDL: tl.constexpr):
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BD)
     m = cols < D
@@ -91,7 +98,8 @@ def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
     x2, z2 = _rows(x), _rows(z)
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     _gated_norm_kernel[(x2.shape[0],)](x2, z2, weight, y, D, x2.stride(0), z2.stride(0),
-                                       y.stride(0), eps, BD=triton.next_power_of_2(D))
+                                       y.stride(0), eps, BD=triton.next_power_of_2(D),
+                                       **pdl.launch(x))
     return y.view(x.shape)
 
 
@@ -104,7 +112,9 @@ def gated_rms_norm_reference(x, z, weight, eps):
 
 @triton.jit
 def _gate_mul_kernel(a_ptr, b_ptr, y_ptr, D, s_a, s_b, s_y, BD: tl.constexpr,
-                     SILU: tl.constexpr):
+                     SILU: tl.constexpr, PDL: tl.constexpr):
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     row, blk = tl.program_id(0).to(tl.int64), tl.program_id(1)
     cols = blk * BD + tl.arange(0, BD)
     m = cols < D
@@ -125,7 +135,7 @@ def _gate_mul(a: Tensor, b: Tensor, silu: bool) -> Tensor:
     BD = min(1024, triton.next_power_of_2(D))
     _gate_mul_kernel[(a2.shape[0], triton.cdiv(D, BD))](a2, b2, y, D, a2.stride(0),
                                                          b2.stride(0), y.stride(0), BD=BD,
-                                                         SILU=silu)
+                                                         SILU=silu, **pdl.launch(a))
     return y.view(a.shape)
 
 
@@ -147,7 +157,9 @@ def sigmoid_mul_reference(x, g):
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, D, s_x, s_c, s_y,
-                 R: tl.constexpr, BD: tl.constexpr):
+                 R: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)  # one (position, head): cos/sin are per position
     pos = row // H
     cols = tl.arange(0, BD)
@@ -178,5 +190,5 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         c2, s2 = c2.contiguous(), s2.contiguous()
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     _rope_kernel[(x2.shape[0],)](x2, c2, s2, y, H, D, x2.stride(0), c2.stride(0), y.stride(0),
-                                 R=R, BD=triton.next_power_of_2(D))
+                                 R=R, BD=triton.next_power_of_2(D), **pdl.launch(x))
     return y.view(x.shape)

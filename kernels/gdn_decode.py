@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import pdl
+
 L2_EPS = 1e-6  # as ninfer.model.gdn.l2_normalize: x * rsqrt(sum x^2 + eps)
 
 
@@ -33,8 +35,10 @@ def _gdn_decode_kernel(
     HV: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_INDEX: tl.constexpr, ALL_STATES: tl.constexpr, L2NORM: tl.constexpr,
-    EPS: tl.constexpr, RAW_GATES: tl.constexpr,
+    EPS: tl.constexpr, RAW_GATES: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     b, h = i_bh // HV, i_bh % HV
     hk = h // R  # grouped heads: consecutive value heads share a key head
@@ -175,6 +179,6 @@ def fused_recurrent_gated_delta_rule(
         HV=Hv, R=Hv // Hk, DK=Dk, DV=Dv, BK=triton.next_power_of_2(Dk), BV=BV,
         HAS_INDEX=state_indices is not None, ALL_STATES=all_states, L2NORM=use_qk_l2norm,
         EPS=L2_EPS, RAW_GATES=gates is not None,
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl.launch(v),
     )
     return (o, out_states) if all_states else o

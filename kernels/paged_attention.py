@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import pdl
+
 LOG2E = 1.4426950408889634
 
 
@@ -34,8 +36,10 @@ def _paged_attn_split_kernel(
     s_ob, s_ot, s_oh, s_pb, s_pt, s_ph, s_ps, s_lb, s_lt, s_lh,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
     BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr,
-    CAUSAL: tl.constexpr, F32_DOT: tl.constexpr,
+    CAUSAL: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     i_bh, i_m, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, kvh = i_bh // HKV, i_bh % HKV
     seq_len = tl.load(len_ptr + b).to(tl.int32)
@@ -112,7 +116,10 @@ def _paged_attn_merge_kernel(
     out_ptr, po_ptr, pl_ptr, T,
     s_ob, s_ot, s_oh, s_pb, s_pt, s_ph, s_ps, s_lb, s_lt, s_lh,
     D: tl.constexpr, BDM: tl.constexpr, SPLITS: tl.constexpr, BS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     i_bt, h, i_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, t = i_bt // T, i_bt % T
     offs_s = tl.arange(0, BS)
@@ -196,7 +203,7 @@ def paged_attention_decode(
         *out.stride()[:3], *p_strides, *l_strides,
         HKV=Hkv, G=G, D=D, BD=BD, BLOCK=block_size, BM=BM, BN=BN, SPLITS=splits,
         CAUSAL=causal_tail, F32_DOT=f32 or _interpreting(),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch(q),
     )
     if splits > 1:
         BS = triton.next_power_of_2(splits)
@@ -204,7 +211,7 @@ def paged_attention_decode(
         _paged_attn_merge_kernel[(B * T, Hq, triton.cdiv(D, BDM))](
             out, part_o, part_l, T,
             *out.stride()[:3], *p_strides, *l_strides,
-            D=D, BDM=BDM, SPLITS=splits, BS=BS, num_warps=4,
+            D=D, BDM=BDM, SPLITS=splits, BS=BS, num_warps=4, **pdl.launch(q),
         )
     return out
 

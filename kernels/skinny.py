@@ -5,10 +5,13 @@ A decode step's GEMM reads its whole weight to make one to eight rows: it is bou
 weight's bytes, and cuBLAS, tiled for many rows, reaches about a third of the bandwidth.
 Here a program owns BN output columns (W rows) and streams them once, in BK-wide chunks,
 accumulating in float32: with one row as broadcast multiply-adds reduced at the end, with
-more rows as a tensor-core dot of the rows padded to 16. Where N is small (the projections
-back to the hidden size) the K axis is split over SPLIT programs too, which add their
-partial sums into a float32 workspace; the last to arrive (a counter per column block)
-takes the sum, applies the epilogue, and leaves the workspace and counter at zero again.
+more rows as a tensor-core dot of the rows padded to 16. When one step covers all of K
+(BK >= K, the one-row default: a program's whole weight tile in flight at once) the weights
+are loaded before the kernel waits for the one that writes x (programmatic dependent
+launch, `kernels.pdl`), so their DRAM round trip overlaps the previous kernel. The K axis
+can be split over SPLIT programs too, which add their partial sums into a float32
+workspace; the last to arrive (a counter per column block) takes the sum, applies the
+epilogue, and leaves the workspace and counter at zero again.
 
 What it folds in, each rounded where the torch chain rounds (to x's dtype after each op
 that torch computes in it), so the result is that chain's up to the GEMM's summation order:
@@ -32,6 +35,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import pdl
 from .fused import _rows
 
 NONE, RMS, GATED, SIGMOID = 0, 1, 2, 3
@@ -63,12 +67,57 @@ def tiles_for(M: int, N: int, K: int, glu: bool, device: torch.device) -> Tiles:
         return Tiles(min(64, triton.next_power_of_2(N)), triton.next_power_of_2(K),
                      dot=M > 1)
     if M == 1:  # the H200 sweep's best for anchor-1b's shapes (bench/results/skinny-h200.json)
-        if N <= 2048:  # the projections back to the hidden size: wide steps along K
-            return Tiles(16, 1024, 8)
+        if N <= 2048 and K <= 4096:  # back to the hidden size: 2 columns a program, all of K
+            return Tiles(2, triton.next_power_of_2(K), 4 if K <= 2048 else 8)
+        if K <= 1024:  # the in-projections and the LM head: all of K in one step
+            return Tiles(4 if glu else 8, triton.next_power_of_2(K), 4)
         return Tiles(4 if glu else 8, 512, 4)
     if N <= 2048:
         return Tiles(16, 256, 4, split=4 if K >= 3072 else 1, dot=True)
     return Tiles(64 if N > 65536 else 32, 128 if N > 65536 else 256, 4, dot=True)
+
+
+@triton.jit
+def _x_tile(x_ptr, nw_ptr, z_ptr, xn_ptr, rows, rm, ks, km, pid_n, s_x, s_z, s_zh, s_xn, eps,
+            offset, inv, dt: tl.constexpr, PROLOGUE: tl.constexpr, HEAD: tl.constexpr,
+            BM: tl.constexpr, BK: tl.constexpr, NORMED: tl.constexpr):
+    """Columns ks of the GEMM's left operand: x's rows with the prologue applied."""
+    xm = rm[:, None] & km[None, :]
+    xv = tl.load(x_ptr + rows[:, None] * s_x + ks[None, :], mask=xm, other=0.0)
+    if PROLOGUE == 1:  # y = x / rms(x) * (offset + w), cast back
+        nw = tl.load(nw_ptr + ks, mask=km, other=0.0).to(tl.float32)
+        xv = (xv.to(tl.float32) * inv[:, None] * (offset + nw[None, :])).to(dt)
+        if NORMED:
+            tl.store(xn_ptr + rows[:, None] * s_xn + ks[None, :], xv,
+                     mask=xm & (rows * 0 + pid_n == 0)[:, None])  # (a tensor mask)
+    elif PROLOGUE == 2:  # per head: (w * (x / rms(x)).cast) .cast * silu(z)
+        xf = tl.reshape(xv.to(tl.float32), [BM, BK // HEAD, HEAD])
+        hinv = tl.rsqrt(tl.sum(xf * xf, axis=2) / HEAD + eps)
+        normed = tl.reshape((xf * hinv[:, :, None]).to(dt), [BM, BK]).to(tl.float32)
+        nw = tl.load(nw_ptr + ks % HEAD).to(tl.float32)
+        scaled = (nw[None, :] * normed).to(dt).to(tl.float32)
+        zv = tl.load(z_ptr + rows[:, None] * s_z + (ks // HEAD)[None, :] * s_zh
+                     + (ks % HEAD)[None, :], mask=xm, other=0.0).to(tl.float32)
+        xv = (scaled * zv * tl.sigmoid(zv)).to(dt)
+    elif PROLOGUE == 3:  # x * sigmoid(z), the sigmoid rounded first
+        zv = tl.load(z_ptr + rows[:, None] * s_z + (ks // HEAD)[None, :] * s_zh
+                     + (ks % HEAD)[None, :], mask=xm, other=0.0).to(tl.float32)
+        xv = (xv.to(tl.float32) * tl.sigmoid(zv).to(dt).to(tl.float32)).to(dt)
+    return xv
+
+
+@triton.jit
+def _accumulate(acc, xv, wv, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """acc + x w^T: a tensor-core dot of the padded rows, or one row's multiply-adds."""
+    if DOT:
+        if IEEE:  # exact float32 products (the interpreter's bf16 dot reads raw bits)
+            acc += tl.dot(xv.to(tl.float32), tl.trans(wv.to(tl.float32)),
+                          input_precision="ieee")
+        else:
+            acc += tl.dot(xv, tl.trans(wv))
+    else:
+        acc += wv.to(tl.float32) * xv.to(tl.float32)
+    return acc
 
 
 @triton.jit
@@ -77,16 +126,27 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
                    PROLOGUE: tl.constexpr, HEAD: tl.constexpr, GLU: tl.constexpr,
                    RESIDUAL: tl.constexpr, NORMED: tl.constexpr, BM: tl.constexpr,
                    BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-                   DOT: tl.constexpr, IEEE: tl.constexpr):
+                   DOT: tl.constexpr, IEEE: tl.constexpr, SINGLE: tl.constexpr,
+                   PDL: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    pdl.launch_dependents(PDL)
     dt = y_ptr.dtype.element_ty
     rows = tl.arange(0, BM)
     rm = rows < M
     ns = pid_n * BN + tl.arange(0, BN)
     nm = ns < N
+    if SINGLE:  # one step covers K: the weights load before the wait for x's producer
+        ks1 = tl.arange(0, BK)
+        km1 = ks1 < K
+        w_ptrs = w_ptr + ns[:, None] * s_w + ks1[None, :]
+        wv1 = tl.load(w_ptrs, mask=nm[:, None] & km1[None, :], other=0.0)
+        if GLU:  # the up row n sits N rows below the gate row n
+            wu1 = tl.load(w_ptrs + N * s_w, mask=nm[:, None] & km1[None, :], other=0.0)
+    pdl.wait(PDL)  # from here on: reads of what earlier kernels wrote, and every write
     per = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK  # this program's share of K
     k_lo = pid_k * per
     k_hi = tl.minimum(k_lo + per, K)
+    inv = tl.zeros([BM], dtype=tl.float32)
     if PROLOGUE == 1:  # the row's rms over all of K, whichever part this program reads
         ss = tl.zeros([BM], dtype=tl.float32)
         for k0 in range(0, K, BK):
@@ -103,49 +163,24 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
         acc = tl.zeros([BN, BK], dtype=tl.float32)
         if GLU:
             acc_u = tl.zeros([BN, BK], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
-        ks = k0 + tl.arange(0, BK)
-        km = ks < K
-        xm = rm[:, None] & km[None, :]
-        xv = tl.load(x_ptr + rows[:, None] * s_x + ks[None, :], mask=xm, other=0.0)
-        if PROLOGUE == 1:  # y = x / rms(x) * (offset + w), cast back
-            nw = tl.load(nw_ptr + ks, mask=km, other=0.0).to(tl.float32)
-            xv = (xv.to(tl.float32) * inv[:, None] * (offset + nw[None, :])).to(dt)
-            if NORMED:
-                tl.store(xn_ptr + rows[:, None] * s_xn + ks[None, :], xv,
-                         mask=xm & (rows * 0 + pid_n == 0)[:, None])  # (a tensor mask)
-        elif PROLOGUE == 2:  # per head: (w * (x / rms(x)).cast) .cast * silu(z)
-            xf = tl.reshape(xv.to(tl.float32), [BM, BK // HEAD, HEAD])
-            hinv = tl.rsqrt(tl.sum(xf * xf, axis=2) / HEAD + eps)
-            normed = tl.reshape((xf * hinv[:, :, None]).to(dt), [BM, BK]).to(tl.float32)
-            nw = tl.load(nw_ptr + ks % HEAD).to(tl.float32)
-            scaled = (nw[None, :] * normed).to(dt).to(tl.float32)
-            zv = tl.load(z_ptr + rows[:, None] * s_z + (ks // HEAD)[None, :] * s_zh
-                         + (ks % HEAD)[None, :], mask=xm, other=0.0).to(tl.float32)
-            xv = (scaled * zv * tl.sigmoid(zv)).to(dt)
-        elif PROLOGUE == 3:  # x * sigmoid(z), the sigmoid rounded first
-            zv = tl.load(z_ptr + rows[:, None] * s_z + (ks // HEAD)[None, :] * s_zh
-                         + (ks % HEAD)[None, :], mask=xm, other=0.0).to(tl.float32)
-            xv = (xv.to(tl.float32) * tl.sigmoid(zv).to(dt).to(tl.float32)).to(dt)
-        w_ptrs = w_ptr + ns[:, None] * s_w + ks[None, :]
-        wm = nm[:, None] & km[None, :]
-        wv = tl.load(w_ptrs, mask=wm, other=0.0)
-        if GLU:  # the up row n sits N rows below the gate row n
-            wu = tl.load(w_ptrs + N * s_w, mask=wm, other=0.0)
-        if DOT:
-            if IEEE:  # exact float32 products (the interpreter's bf16 dot reads raw bits)
-                xf = xv.to(tl.float32)
-                acc += tl.dot(xf, tl.trans(wv.to(tl.float32)), input_precision="ieee")
-                if GLU:
-                    acc_u += tl.dot(xf, tl.trans(wu.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(xv, tl.trans(wv))
-                if GLU:
-                    acc_u += tl.dot(xv, tl.trans(wu))
-        else:
-            acc += wv.to(tl.float32) * xv.to(tl.float32)
-            if GLU:
-                acc_u += wu.to(tl.float32) * xv.to(tl.float32)
+    if SINGLE:
+        xv = _x_tile(x_ptr, nw_ptr, z_ptr, xn_ptr, rows, rm, ks1, km1, pid_n, s_x, s_z, s_zh,
+                     s_xn, eps, offset, inv, dt, PROLOGUE, HEAD, BM, BK, NORMED)
+        acc = _accumulate(acc, xv, wv1, DOT, IEEE)
+        if GLU:
+            acc_u = _accumulate(acc_u, xv, wu1, DOT, IEEE)
+    else:
+        for k0 in range(k_lo, k_hi, BK):
+            ks = k0 + tl.arange(0, BK)
+            km = ks < K
+            xv = _x_tile(x_ptr, nw_ptr, z_ptr, xn_ptr, rows, rm, ks, km, pid_n, s_x, s_z,
+                         s_zh, s_xn, eps, offset, inv, dt, PROLOGUE, HEAD, BM, BK, NORMED)
+            w_ptrs = w_ptr + ns[:, None] * s_w + ks[None, :]
+            wm = nm[:, None] & km[None, :]
+            acc = _accumulate(acc, xv, tl.load(w_ptrs, mask=wm, other=0.0), DOT, IEEE)
+            if GLU:  # the up row n sits N rows below the gate row n
+                acc_u = _accumulate(acc_u, xv, tl.load(w_ptrs + N * s_w, mask=wm, other=0.0),
+                                    DOT, IEEE)
     if DOT:
         y = acc
         if GLU:
@@ -235,7 +270,7 @@ def _launch(x: Tensor, w: Tensor, *, prologue: int = NONE, norm_weight: Tensor |
         PROLOGUE=prologue, HEAD=head, GLU=glu, RESIDUAL=residual is not None, NORMED=normed,
         BM=BM, BN=t.bn, BK=t.bk, SPLIT=t.split, DOT=t.dot,
         IEEE=x.dtype == torch.float32 or x.device.type != "cuda",
-        num_warps=t.warps)
+        SINGLE=t.split == 1 and t.bk >= K, num_warps=t.warps, **pdl.launch(x))
     y = y.view(*x.shape[:-1], N)
     return (y, xn.view(x.shape)) if normed else y
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -38,7 +39,11 @@ SHAPES = [("gdn_in_proj", 6176, 1024, False, "norm"), ("attn_qkv", 5120, 1024, F
           ("mlp_down", 1024, 3072, False, "residual"), ("lm_head", 151_936, 1024, False,
                                                         "norm+normed")]
 ONE_ROW = [Tiles(4, 512), Tiles(8, 512), Tiles(16, 512), Tiles(16, 1024, 8),
-           Tiles(8, 512, split=2), Tiles(8, 512, split=4), Tiles(16, 256, dot=True)]
+           Tiles(8, 512, split=2), Tiles(8, 512, split=4), Tiles(16, 256, dot=True),
+           # one step over the whole K (K <= BK): the weights load before the PDL wait
+           Tiles(4, 1024), Tiles(8, 1024), Tiles(16, 1024), Tiles(8, 1024, 8),
+           Tiles(2, 2048), Tiles(4, 2048), Tiles(4, 2048, 8), Tiles(8, 2048, 8),
+           Tiles(2, 4096, 8), Tiles(4, 4096, 8), Tiles(8, 4096, 8), Tiles(8, 4096, 16)]
 ROWS = [Tiles(16, 256, dot=True), Tiles(32, 256, dot=True), Tiles(64, 128, dot=True),
         Tiles(16, 512, dot=True), Tiles(16, 256, split=2, dot=True),
         Tiles(16, 256, split=4, dot=True)]
@@ -201,9 +206,14 @@ def bench_model(tuned: dict) -> dict:
     m = anchor_model()
     out: dict = {}
     logits: dict = {}
-    modes = [("before", 0, {}), ("after", 8, {})] + ([("tuned", 8, tuned)] if tuned else [])
+    # (label, skinny rows, tiles, programmatic dependent launch): cuBLAS and the fused
+    # elementwise kernels; the skinny GEMMs with their default tiles and the sweep's best;
+    # that again without PDL (kernels.pdl) to show what the overlapped launches bring
+    modes = [("before", 0, {}, True), ("after", 8, {}, True)] + (
+        [("tuned", 8, tuned, True), ("tuned_nopdl", 8, tuned, False)] if tuned else [])
     default = kernels.SKINNY_ROWS
-    for label, rows, table in modes:
+    for label, rows, table, with_pdl in modes:
+        os.environ["NINFER_PDL"] = "1" if with_pdl else "0"
         kernels.SKINNY_ROWS = rows
         skinny.TUNED.clear()
         skinny.TUNED.update(table)
@@ -221,9 +231,10 @@ def bench_model(tuned: dict) -> dict:
             out[f"{label}_replay_b{B}_us"] = _events_us(cap.graph.replay)
             out[f"{label}_step_b{B}_us"] = _wall_us(lambda items=items: m.forward_batch(items))
     kernels.SKINNY_ROWS = default
+    os.environ.pop("NINFER_PDL")
     skinny.TUNED.clear()
     out["tuned_tiles"] = {str(k): tuple(v) for k, v in tuned.items()}
-    for label, _, _ in modes[1:]:
+    for label, *_ in modes[1:]:
         for B in (1, 8):
             a, b = logits[("before", B)], logits[(label, B)]
             out[f"{label}_logits_max_rel_diff_b{B}"] = float((a - b).abs().max()

@@ -17,7 +17,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2.4e-2}
 # silu(g) * u multiplies a one-ulp move of g or u by the other factor (|u| ~ 3 here)
 GLU_TOL = {torch.float32: 2e-5, torch.bfloat16: 8e-2}
-TILES = [None, Tiles(16, 32, split=3), Tiles(16, 32, split=2, dot=True)]
+TILES = [None, Tiles(16, 32), Tiles(16, 32, split=3), Tiles(16, 32, split=2, dot=True)]
 N, K, HEAD = 40, 96, 16
 
 
@@ -96,3 +96,42 @@ def test_gated_norm_and_sigmoid_gate_prologues(rows, tiles, dtype):
 def test_too_many_rows_is_refused():
     with pytest.raises(ValueError):
         skinny.linear(torch.zeros(9, 32, device=DEVICE), torch.zeros(16, 32, device=DEVICE))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic launches need a GPU")
+@pytest.mark.parametrize("tiles", [None, Tiles(8, 64), Tiles(16, 32, split=3)])
+def test_a_graph_of_dependent_launches_matches_the_chain_run_one_call_at_a_time(tiles,
+                                                                              monkeypatch):
+    """Each call reads what the one before wrote, the norm kernel between them included:
+    with programmatic dependent launch (kernels.pdl) a kernel that read its input, or wrote
+    its output, before waiting for the previous one would turn this red."""
+    from kernels import fused
+    torch.manual_seed(0)
+    dtype, width = torch.bfloat16, 256
+    ws = [_randn(width, width, dtype=dtype, scale=width ** -0.5) for _ in range(12)]
+    nw = _randn(width, dtype=dtype, scale=0.1)
+    x = _randn(1, width, dtype=dtype)
+
+    def chain():
+        h = x
+        for i, w in enumerate(ws):
+            h = skinny.norm_linear(h, nw, 1e-6, w, tiles=tiles) if i % 2 else \
+                fused.rms_norm(skinny.linear(h, w, h, tiles=tiles), nw, 1e-6)
+        return h
+
+    monkeypatch.setenv("NINFER_PDL", "0")  # the same kernels, each waiting for the last
+    want = chain().clone()
+    torch.cuda.synchronize()
+    monkeypatch.delenv("NINFER_PDL")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = chain()
+    for _ in range(20):
+        got.zero_()
+        graph.replay()
+        assert torch.equal(got, want)

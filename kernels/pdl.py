@@ -1,0 +1,58 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the decode path's kernels.
+
+A decode step is a chain of small kernels, each waiting for the one before. With PDL a
+kernel is launched while its predecessor still runs: its programs start as soon as the
+predecessor's have all started (`launch_dependents`) and there is room on the SMs, do what
+needs nothing the predecessor writes (a GEMM's weight loads), then `wait` until the
+predecessor has finished and its writes are visible. The launch latency and the first DRAM
+round trip overlap the previous kernel's tail.
+
+The rule every kernel launched this way keeps: nothing read that an earlier kernel writes,
+and nothing written at all, before `wait` (a buffer written here may be one the previous
+kernel still reads: graph pools reuse memory). Waiting covers every earlier kernel, not only
+the last: the last one waited for its own predecessor before it could finish.
+
+`launch(x)` gives the launch keywords for a kernel over tensor x: `PDL` (the kernel's
+constexpr: whether to emit the two instructions) and, where it applies, `launch_pdl`.
+NINFER_PDL=0 turns it off (the benchmark's "before")."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@functools.cache
+def _supported(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def enabled(x: torch.Tensor) -> bool:
+    """Whether kernels over x launch with PDL: a Hopper-or-later GPU, not turned off."""
+    return (x.is_cuda and os.environ.get("NINFER_PDL", "1") != "0"
+            and _supported(x.device.index or 0))
+
+
+def launch(x: torch.Tensor) -> dict:
+    """The launch keywords for a PDL-aware kernel over x (see the module docstring)."""
+    return {"PDL": True, "launch_pdl": True} if enabled(x) else {"PDL": False}
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    """Until the kernels before this one have finished and their writes are visible."""
+    if PDL:
+        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
+def launch_dependents(PDL: tl.constexpr):
+    """Let the next kernel start its programs (they still `wait` for this one)."""
+    if PDL:
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                                  dtype=tl.int32, is_pure=False, pack=1)
