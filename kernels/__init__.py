@@ -15,14 +15,16 @@ from .gdn_reference import (
 
 @functools.cache
 def device_kernels() -> SimpleNamespace | None:
-    """The Triton kernels (conv, chunk, step, attention, the fused elementwise ones and the
-    skinny GEMMs with their prologues and epilogues), or None where Triton is missing.
+    """The Triton kernels (conv, chunk, step, attention and its prologue with the KV write,
+    the fused elementwise ones and the skinny GEMMs with their prologues and epilogues), or
+    None where Triton is missing.
     Callers use them for CUDA tensors only (on the CPU they run only in the interpreter)."""
     try:
         from . import fused, skinny
         from .conv1d import causal_conv1d_update as conv
         from .gdn_chunk import chunk_gated_delta_rule as chunk
         from .gdn_decode import fused_recurrent_gated_delta_rule as step
+        from .kv_write import attention_prologue
         from .paged_attention import paged_attention_decode as attention
     except ImportError:
         return None
@@ -32,7 +34,8 @@ def device_kernels() -> SimpleNamespace | None:
                            rope=fused.rope, linear=skinny.linear,
                            norm_linear=skinny.norm_linear,
                            gated_norm_linear=skinny.gated_norm_linear,
-                           gate_linear=skinny.gate_linear)
+                           gate_linear=skinny.gate_linear,
+                           attention_prologue=attention_prologue)
 
 
 # Tests set this (with TRITON_INTERPRET=1) to run the model's kernel paths on CPU tensors

@@ -106,16 +106,24 @@ class GatedAttention(nn.Module):
             q_and_gate = y[..., :nq].view(B, T, H, 2 * D)
             k = y[..., nq:nq + nk].view(B, T, Hkv, D)
             v = y[..., nq + nk:].view(B, T, Hkv, D)
+            # a store that takes the packed projection: norms, rotations and the KV write in
+            # one launch (None where it does not apply)
+            prologue = getattr(kv, "prologue", None)
+            ready = prologue(layer, y, positions, cos_sin, self) if prologue else None
         else:
             q_and_gate = self.q_proj(x).view(B, T, H, 2 * D)
             k = self.k_proj(x).view(B, T, Hkv, D)
             v = self.v_proj(x).view(B, T, Hkv, D)
+            ready = None
         q, gate = q_and_gate[..., :D], q_and_gate[..., D:]  # q: [B, T, H, D], gate likewise
-        cos, sin = cos_sin
-        q = apply_rope(self.q_norm(q), cos, sin)
-        k = apply_rope(self.k_norm(k), cos, sin)
+        if ready is not None:
+            q = ready
+        else:
+            cos, sin = cos_sin
+            q = apply_rope(self.q_norm(q), cos, sin)
+            k = apply_rope(self.k_norm(k), cos, sin)
+            kv.write(layer, positions, k, v)
 
-        kv.write(layer, positions, k, v)
         attend = getattr(kv, "attend", None)  # a store that attends on the device itself
         out = attend(layer, q, positions) if attend is not None else None
         if out is None:

@@ -7,6 +7,8 @@ and a bf16 model matches the reference's float32 upcasts.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -76,13 +78,20 @@ class GatedRMSNorm(nn.Module):
         return (normed * F.silu(z.to(dtype))).to(x.dtype)
 
 
+@functools.cache
+def _inv_freq(rotary_dim: int, theta: float, wide: torch.dtype, device: torch.device) -> Tensor:
+    """The rotary frequencies [rotary_dim/2], made once per device (four kernels fewer in
+    every decode step; the first call comes before any graph capture)."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=wide, device=device)
+    return 1.0 / (theta ** (exponents / rotary_dim))
+
+
 def rope_cos_sin(positions: Tensor, rotary_dim: int, theta: float,
                  dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """positions [B, T] -> cos, sin [B, T, rotary_dim] for `apply_rope`, computed in
     float32 or wider, then cast to `dtype`."""
     wide = torch.promote_types(dtype, torch.float32)
-    exponents = torch.arange(0, rotary_dim, 2, dtype=wide, device=positions.device)
-    inv_freq = 1.0 / (theta ** (exponents / rotary_dim))  # [rotary_dim/2]
+    inv_freq = _inv_freq(rotary_dim, float(theta), wide, positions.device)
     angles = positions.to(wide)[..., None] * inv_freq  # [B, T, rotary_dim/2]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)

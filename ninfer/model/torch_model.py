@@ -36,6 +36,7 @@ class PagedKV:
     def __init__(self, k: dict[int, Tensor], v: dict[int, Tensor], block_size: int,
                  tables: Sequence[Sequence[int]] | Tensor) -> None:
         self.k, self.v, self.bs = k, v, block_size
+        self._lengths: tuple[Tensor, Tensor] | None = None  # (positions, their lengths)
         if isinstance(tables, Tensor):  # a CUDA graph's static table [B, blocks] (long)
             self.run, self.tables = None, tables
             return
@@ -55,6 +56,20 @@ class PagedKV:
         self.k[layer][blocks, offsets] = k.to(self.k[layer].dtype)
         self.v[layer][blocks, offsets] = v.to(self.v[layer].dtype)
 
+    def prologue(self, layer: int, y: Tensor, positions: Tensor,
+                 cos_sin: tuple[Tensor, Tensor], attn) -> Tensor | None:
+        """On a GPU, from the attention layer `attn`'s packed projection y: q normed and
+        rotated (returned), k normed, rotated and written with v, in one launch
+        (`kernels.kv_write`); None elsewhere, and the layer runs the torch chain."""
+        dev = kernels_for(y)
+        if dev is None:
+            return None
+        cos, sin = cos_sin
+        return dev.attention_prologue(
+            y, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.q_norm.weight,
+            attn.k_norm.weight, attn.q_norm.eps, cos, sin, self.k[layer], self.v[layer],
+            self.tables, positions)
+
     def attend(self, layer: int, q: Tensor, positions: Tensor) -> Tensor | None:
         """Attention of q [B, T, H, D] at `positions` (consecutive per lane, already written)
         over the lane's KV by the device kernel; None where it does not apply (the CPU, a
@@ -63,8 +78,10 @@ class PagedKV:
         if dev is None or q.shape[1] > ATTEND_ON_DEVICE_UP_TO:
             return None
         k, v = self.k[layer], self.v[layer]
+        if self._lengths is None or self._lengths[0] is not positions:  # once per forward
+            self._lengths = (positions, positions[:, -1] + 1)
         return dev.attention(q.to(k.dtype).contiguous(), k, v, self.tables,
-                             positions[:, -1] + 1).to(q.dtype)
+                             self._lengths[1]).to(q.dtype)
 
     def read(self, layer: int, length: int) -> tuple[Tensor, Tensor]:
         n = -(-length // self.bs)
