@@ -4,7 +4,8 @@
 # /tmp/site (never the project's pins), then runs the kernel tests on real shapes and the
 # benchmarks, writing JSON results to $OUT (or bench/results/ when OUT is unset).
 #
-#   bench/gpu.sh [kernels] [engine] [baseline] [skinny] [profile]   (default: the first three)
+#   bench/gpu.sh [kernels] [engine] [baseline] [skinny] [gdn-sweep] [profile]
+#                (default: the first three)
 #
 # Wheels to carry (pip download --no-deps on a machine with network): fla-core,
 # transitions, sqlite-utils, sqlite-fts4, click-default-group (README.md, "On the GPU").
@@ -37,6 +38,9 @@ for stage in $stages; do
         ;;
     skinny)  # the skinny GEMMs against F.linear, and the model step without/with them
         python3 -m ninfer.bench.skinny "$OUT/skinny-h200.json" || status=1
+        ;;
+    gdn-sweep)  # the GDN prefill under each launch configuration, against fla
+        python3 -m ninfer.bench.gdn_sweep "$OUT/gdn-sweep-h200.json" || status=1
         ;;
     profile)  # kernel by kernel: the decode graphs (with and without PDL), the prefill
         python3 -m ninfer.bench.profile "$OUT/profile-h200.json" || status=1

@@ -42,6 +42,10 @@ class GDNChunkConfig:
     wy_block_k: int = 64  # Dk tile of stage 1's loops
     wy_block_v: int = 64  # Dv tile of stage 1's U loop
     wy_warps: int = 4
+    # the inverse's [16, 16] blocks cut and joined through a float32 scratch in global
+    # memory (L2) instead of relayouts in registers: 16 KB per (chunk, value head). Not yet
+    # timed on a GPU (`bench/gpu.sh gdn-sweep` times it against the default)
+    wy_staged: bool = False
     state_block_v: int = 32  # Dv tile of one state program: Dv / 32 * N * Hv programs
     state_warps: int = 4
     # software pipelining of the chunk loop's loads (3: 7% faster than 2 at T = 16K on the
@@ -132,12 +136,101 @@ def _invert_diagonal_blocks(a):
 
 
 @triton.jit
-def _wy_kernel(k, v, g, beta, chunk_start, chunk_end, g_cum, w, u,
+def _off_diagonal(x11, x22, x33, x44, a21, a31, a32, a41, a42, a43):
+    """X's blocks below the diagonal from its diagonal blocks and A's: X_ab =
+    -X_aa sum_{b <= m < a} A_am X_mb (blocks 1-based, as in the module docstring)."""
+    x21 = -tl.dot(tl.dot(x22, a21, input_precision="ieee"), x11, input_precision="ieee")
+    x32 = -tl.dot(tl.dot(x33, a32, input_precision="ieee"), x22, input_precision="ieee")
+    x43 = -tl.dot(tl.dot(x44, a43, input_precision="ieee"), x33, input_precision="ieee")
+    y = tl.dot(a31, x11, input_precision="ieee")
+    y = tl.dot(a32, x21, y, input_precision="ieee")
+    x31 = -tl.dot(x33, y, input_precision="ieee")
+    y = tl.dot(a42, x22, input_precision="ieee")
+    y = tl.dot(a43, x32, y, input_precision="ieee")
+    x42 = -tl.dot(x44, y, input_precision="ieee")
+    y = tl.dot(a41, x11, input_precision="ieee")
+    y = tl.dot(a42, x21, y, input_precision="ieee")
+    y = tl.dot(a43, x31, y, input_precision="ieee")
+    x41 = -tl.dot(x44, y, input_precision="ieee")
+    return x21, x31, x32, x41, x42, x43
+
+
+@triton.jit
+def _inverse_in_registers(a):
+    """(I + a)^-1 of the strictly lower [64, 64] a, its [16, 16] blocks cut out of and put
+    back into registers (relayouts and masked sums)."""
+    ab = _to_blocks(a)  # [16, 16, 16]: block (a, b) at 4a + b
+    pid = tl.arange(0, 16)[:, None, None]
+    blk = tl.arange(0, 4)[:, None, None]
+    diag = tl.sum(tl.where(blk[:, :, :, None] == tl.arange(0, 4)[None, :, None, None],
+                           tl.reshape(ab, [4, 4, 16, 16]), 0.0), 1)  # [4, 16, 16]
+    xd = _invert_diagonal_blocks(diag)
+    x11 = tl.sum(tl.where(blk == 0, xd, 0.0), 0)
+    x22 = tl.sum(tl.where(blk == 1, xd, 0.0), 0)
+    x33 = tl.sum(tl.where(blk == 2, xd, 0.0), 0)
+    x44 = tl.sum(tl.where(blk == 3, xd, 0.0), 0)
+    x21, x31, x32, x41, x42, x43 = _off_diagonal(
+        x11, x22, x33, x44, tl.sum(tl.where(pid == 4, ab, 0.0), 0),
+        tl.sum(tl.where(pid == 8, ab, 0.0), 0), tl.sum(tl.where(pid == 9, ab, 0.0), 0),
+        tl.sum(tl.where(pid == 12, ab, 0.0), 0), tl.sum(tl.where(pid == 13, ab, 0.0), 0),
+        tl.sum(tl.where(pid == 14, ab, 0.0), 0))
+    xb = (tl.where(pid == 0, x11[None, :, :], 0.0) + tl.where(pid == 4, x21[None, :, :], 0.0)
+          + tl.where(pid == 5, x22[None, :, :], 0.0) + tl.where(pid == 8, x31[None, :, :], 0.0)
+          + tl.where(pid == 9, x32[None, :, :], 0.0) + tl.where(pid == 10, x33[None, :, :], 0.0)
+          + tl.where(pid == 12, x41[None, :, :], 0.0) + tl.where(pid == 13, x42[None, :, :], 0.0)
+          + tl.where(pid == 14, x43[None, :, :], 0.0) + tl.where(pid == 15, x44[None, :, :], 0.0))
+    return _from_blocks(xb)
+
+
+@triton.jit
+def _block_ptrs(buf, i: tl.constexpr, j: tl.constexpr):
+    """Pointers to block (i, j) (0-based) of a [64, 64] row-major scratch tile."""
+    r = tl.arange(0, 16)
+    return buf + (16 * i + r)[:, None] * 64 + 16 * j + r[None, :]
+
+
+@triton.jit
+def _inverse_staged(a, buf):
+    """(I + a)^-1 as `_inverse_in_registers`, the blocks cut and joined through `buf`, this
+    program's [64, 64] float32 scratch in global memory (L2): a store, a barrier and plain
+    loads in place of the relayouts."""
+    t = tl.arange(0, 64)
+    full = buf + t[:, None] * 64 + t[None, :]
+    tl.store(full, a)
+    tl.debug_barrier()  # every thread's part of A is written before any reads a block
+    b4 = tl.arange(0, 4)[:, None, None]
+    r = tl.arange(0, 16)
+    diag_ptrs = buf + (16 * b4 + r[None, :, None]) * 64 + 16 * b4 + r[None, None, :]
+    diag = tl.load(diag_ptrs)  # [4, 16, 16]
+    a21, a31, a32 = tl.load(_block_ptrs(buf, 1, 0)), tl.load(_block_ptrs(buf, 2, 0)), \
+        tl.load(_block_ptrs(buf, 2, 1))
+    a41, a42, a43 = tl.load(_block_ptrs(buf, 3, 0)), tl.load(_block_ptrs(buf, 3, 1)), \
+        tl.load(_block_ptrs(buf, 3, 2))
+    xd = _invert_diagonal_blocks(diag)
+    tl.debug_barrier()  # A read everywhere before X overwrites it
+    tl.store(diag_ptrs, xd)
+    tl.debug_barrier()
+    x11, x22 = tl.load(_block_ptrs(buf, 0, 0)), tl.load(_block_ptrs(buf, 1, 1))
+    x33, x44 = tl.load(_block_ptrs(buf, 2, 2)), tl.load(_block_ptrs(buf, 3, 3))
+    x21, x31, x32, x41, x42, x43 = _off_diagonal(x11, x22, x33, x44, a21, a31, a32, a41, a42,
+                                                 a43)
+    tl.store(_block_ptrs(buf, 1, 0), x21)
+    tl.store(_block_ptrs(buf, 2, 0), x31)
+    tl.store(_block_ptrs(buf, 2, 1), x32)
+    tl.store(_block_ptrs(buf, 3, 0), x41)
+    tl.store(_block_ptrs(buf, 3, 1), x42)
+    tl.store(_block_ptrs(buf, 3, 2), x43)
+    tl.debug_barrier()
+    return tl.load(full, mask=(t[:, None] // 16) >= (t[None, :] // 16), other=0.0)
+
+
+@triton.jit
+def _wy_kernel(k, v, g, beta, chunk_start, chunk_end, g_cum, w, u, scratch,
                T, NT, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh,
                HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                BDK: tl.constexpr, BDV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                DT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
-               VARLEN: tl.constexpr):
+               VARLEN: tl.constexpr, STAGED: tl.constexpr):
     """Stage 1, program (chunk c, value head h): g_cum = G, w = X beta exp(G) K,
     u = X beta V for the chunk's rows, X = (I + A)^-1 (see the module docstring). A and X
     are [64, 64]; the inverse works on their [16, 16] blocks."""
@@ -169,41 +262,11 @@ def _wy_kernel(k, v, g, beta, chunk_start, chunk_end, g_cum, w, u,
     # X = (I + A)^-1 by [16, 16] blocks (float32, IEEE products: the inverse is where
     # rounding would compound): X_aa by forward substitution, then below the diagonal
     # X_ab = -X_aa sum_{b <= m < a} A_am X_mb
-    ab = _to_blocks(a)  # [16, 16, 16]: block (a, b) at 4a + b
-    pid = tl.arange(0, 16)[:, None, None]
-    blk = tl.arange(0, 4)[:, None, None]
-    diag = tl.sum(tl.where(blk[:, :, :, None] == tl.arange(0, 4)[None, :, None, None],
-                           tl.reshape(ab, [4, 4, 16, 16]), 0.0), 1)  # [4, 16, 16]
-    xd = _invert_diagonal_blocks(diag)
-    x11 = tl.sum(tl.where(blk == 0, xd, 0.0), 0)
-    x22 = tl.sum(tl.where(blk == 1, xd, 0.0), 0)
-    x33 = tl.sum(tl.where(blk == 2, xd, 0.0), 0)
-    x44 = tl.sum(tl.where(blk == 3, xd, 0.0), 0)
-    a21 = tl.sum(tl.where(pid == 4, ab, 0.0), 0)
-    a31 = tl.sum(tl.where(pid == 8, ab, 0.0), 0)
-    a32 = tl.sum(tl.where(pid == 9, ab, 0.0), 0)
-    a41 = tl.sum(tl.where(pid == 12, ab, 0.0), 0)
-    a42 = tl.sum(tl.where(pid == 13, ab, 0.0), 0)
-    a43 = tl.sum(tl.where(pid == 14, ab, 0.0), 0)
-    x21 = -tl.dot(tl.dot(x22, a21, input_precision="ieee"), x11, input_precision="ieee")
-    x32 = -tl.dot(tl.dot(x33, a32, input_precision="ieee"), x22, input_precision="ieee")
-    x43 = -tl.dot(tl.dot(x44, a43, input_precision="ieee"), x33, input_precision="ieee")
-    y = tl.dot(a31, x11, input_precision="ieee")
-    y = tl.dot(a32, x21, y, input_precision="ieee")
-    x31 = -tl.dot(x33, y, input_precision="ieee")
-    y = tl.dot(a42, x22, input_precision="ieee")
-    y = tl.dot(a43, x32, y, input_precision="ieee")
-    x42 = -tl.dot(x44, y, input_precision="ieee")
-    y = tl.dot(a41, x11, input_precision="ieee")
-    y = tl.dot(a42, x21, y, input_precision="ieee")
-    y = tl.dot(a43, x31, y, input_precision="ieee")
-    x41 = -tl.dot(x44, y, input_precision="ieee")
-    xb = (tl.where(pid == 0, x11[None, :, :], 0.0) + tl.where(pid == 4, x21[None, :, :], 0.0)
-          + tl.where(pid == 5, x22[None, :, :], 0.0) + tl.where(pid == 8, x31[None, :, :], 0.0)
-          + tl.where(pid == 9, x32[None, :, :], 0.0) + tl.where(pid == 10, x33[None, :, :], 0.0)
-          + tl.where(pid == 12, x41[None, :, :], 0.0) + tl.where(pid == 13, x42[None, :, :], 0.0)
-          + tl.where(pid == 14, x43[None, :, :], 0.0) + tl.where(pid == 15, x44[None, :, :], 0.0))
-    x = _operand(_from_blocks(xb), DT, EMULATE)  # [64, 64]
+    if STAGED:
+        x = _inverse_staged(a, scratch + (c.to(tl.int64) * HV + h) * 4096)
+    else:
+        x = _inverse_in_registers(a)
+    x = _operand(x, DT, EMULATE)  # [64, 64]
 
     # w = X (beta exp(G) K): [64, Dk], per Dk tile
     e = (b_c * tl.exp(G))[:, None]
@@ -455,12 +518,14 @@ def chunk_gated_delta_rule(
     h_buf = torch.empty(max(n_slots, 1), Hv, Dk, Dv, dtype=dot_torch, device=device)
 
     if rows > 0:
+        scratch = (torch.empty(n_slots * Hv * 4096, dtype=torch.float32, device=device)
+                   if cfg.wy_staged else g_cum)
         _wy_kernel[(n_slots, Hv)](
-            k, v, g, beta, chunk_start, chunk_end, g_cum, w, u, T, NT,
+            k, v, g, beta, chunk_start, chunk_end, g_cum, w, u, scratch, T, NT,
             k.stride(1), k.stride(2), v.stride(1), v.stride(2),
             g.stride(1), g.stride(2), beta.stride(1), beta.stride(2),
             BDK=BDK, BDV=BDV, BK=_block(Dk, cfg.wy_block_k), BV=_block(Dv, cfg.wy_block_v),
-            num_warps=cfg.wy_warps, **common)
+            STAGED=cfg.wy_staged, num_warps=cfg.wy_warps, **common)
     sbv = _block(Dv, cfg.state_block_v)
     _state_kernel[(N * Hv, triton.cdiv(Dv, sbv))](
         k, w, u, g_cum, h_buf, h0, ht, cu, chunk_offsets, T, NT, k.stride(1), k.stride(2),

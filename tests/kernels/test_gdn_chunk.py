@@ -7,6 +7,7 @@ measured as max |x - ref| / max |ref|, per dtype (TOL): float32 keeps float32 ma
 operands; bfloat16 / float16 round them to the input dtype, and the output is stored in it.
 """
 
+import dataclasses
 import os
 import time
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.gdn_chunk import chunk_gated_delta_rule
+from kernels.gdn_chunk import DEFAULT_CONFIG, chunk_gated_delta_rule
 from kernels.gdn_reference import chunk_gated_delta_rule as reference_chunk
 from kernels.gdn_reference import recurrent_gated_delta_rule
 
@@ -95,6 +96,25 @@ def test_varlen_sequences_in_one_launch(dtype):
         a, b = cu[n].item(), cu[n + 1].item()
         o_ref, s_ref = _truth([x[:, a:b] for x in inputs], states[n:n + 1])
         _check(o[:, a:b], s[n:n + 1], o_ref, s_ref, dtype)
+
+
+@pytest.mark.parametrize("decay", ["weak", "strong"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_inverse_staged_through_scratch_equals_the_one_in_registers(dtype, decay):
+    """`wy_staged` cuts and joins the inverse's blocks through global scratch: the same
+    arithmetic, so the same answer, for whole chunks, a ragged last one and packed
+    sequences (whose unused chunk slots write scratch nobody reads)."""
+    staged = dataclasses.replace(DEFAULT_CONFIG, wy_staged=True)
+    inputs, state = _inputs(11, 1, 150, 2, 4, 32, 32, dtype, decay)
+    o, s = chunk_gated_delta_rule(*inputs, initial_state=state, config=staged)
+    o_reg, s_reg = chunk_gated_delta_rule(*inputs, initial_state=state)
+    _check(o, s, *_truth(inputs, state), dtype)
+    assert _err(o, o_reg) < 1e-5 and _err(s, s_reg) < 1e-5
+    cu = torch.tensor([0, 64, 65, 150], dtype=torch.int32, device=DEVICE)
+    states = state.expand(3, -1, -1, -1).contiguous()
+    o, s = chunk_gated_delta_rule(*inputs, initial_state=states, cu_seqlens=cu, config=staged)
+    o_reg, s_reg = chunk_gated_delta_rule(*inputs, initial_state=states, cu_seqlens=cu)
+    assert _err(o, o_reg) < 1e-5 and _err(s, s_reg) < 1e-5
 
 
 def test_varlen_int64_offsets_empty_sequence_and_zero_state():

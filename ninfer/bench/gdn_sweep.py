@@ -1,0 +1,75 @@
+"""`bench/gpu.sh gdn-sweep` (a GPU): the GDN chunked prefill under each launch configuration
+in CONFIGS (kernels.gdn_chunk.GDNChunkConfig) at bench_kernels' shapes, against fla's
+`chunk_gated_delta_rule` timed in the same run, with each answer's distance from fla's; the
+fastest configuration is the candidate for the default.
+
+Times: triton.testing.do_bench, median milliseconds, L2 flushed between calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from kernels.gdn_chunk import DEFAULT_CONFIG
+
+CONFIGS = {
+    "default": {},
+    "staged": {"wy_staged": True},
+    "staged_wy8": {"wy_staged": True, "wy_warps": 8},
+    "staged_wy128": {"wy_staged": True, "wy_block_k": 128, "wy_block_v": 128},
+    "wy128": {"wy_block_k": 128, "wy_block_v": 128},
+    "state_stages2": {"state_stages": 2},
+    "state_stages4": {"state_stages": 4},
+    "state_bv64": {"state_block_v": 64, "state_warps": 8},
+    "out64": {"out_block_v": 64},
+}
+
+
+def sweep() -> dict:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla
+
+    from kernels.gdn_chunk import chunk_gated_delta_rule as ours
+
+    from .kernels import _bench, _gdn_inputs
+    out: dict = {}
+    for T in (4096, 16384):
+        args = _gdn_inputs(1, T)  # q, k, v, g, beta
+        o_fla, s_fla = fla(*args, output_final_state=True)
+        fla_ms = _bench(lambda a=args: fla(*a, output_final_state=True))
+        for name, change in CONFIGS.items():
+            cfg = dataclasses.replace(DEFAULT_CONFIG, **change)
+            key = f"T{T}_{name}"
+            try:
+                o, s = ours(*args, config=cfg)
+                ms = _bench(lambda a=args, c=cfg: ours(*a, config=c))
+            except Exception as exc:  # a configuration that fails: say so, go on
+                out[key] = {"error": repr(exc)[:200]}
+                print(f"  {key}: {out[key]['error']}", file=sys.stderr)
+                continue
+            out[key] = {"config": change, "ms": ms, "fla_ms": fla_ms, "ours_over_fla": fla_ms / ms,
+                        "err": float((o.float() - o_fla.float()).abs().max()
+                                     / o_fla.float().abs().max()),
+                        "state_err": float((s - s_fla).abs().max() / s_fla.abs().max())}
+            print(f"  {key}: {ms:.3f} ms, fla {fla_ms:.3f} ms ({fla_ms / ms:.2f}x), "
+                  f"err {out[key]['err']:.1e}", file=sys.stderr)
+    return out
+
+
+def main(json_path: str | None = None) -> int:
+    if not torch.cuda.is_available():
+        print("bench gdn-sweep: needs a CUDA device", file=sys.stderr)
+        return 2
+    line = json.dumps(sweep())
+    print(line)
+    if json_path:
+        Path(json_path).write_text(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1] if len(sys.argv) > 1 else None))
