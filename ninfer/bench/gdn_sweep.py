@@ -9,13 +9,13 @@ Times: triton.testing.do_bench, median milliseconds, L2 flushed between calls.
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
-from pathlib import Path
 
 import torch
 
 from kernels.gdn_chunk import DEFAULT_CONFIG
+
+from .report import write_line
 
 CONFIGS = {
     "default": {},
@@ -64,10 +64,7 @@ def main(json_path: str | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench gdn-sweep: needs a CUDA device", file=sys.stderr)
         return 2
-    line = json.dumps(sweep())
-    print(line)
-    if json_path:
-        Path(json_path).write_text(line + "\n")
+    write_line({"bench": "gdn-sweep", "results": sweep()}, json_path)
     return 0
 
 

@@ -14,12 +14,13 @@ transformers + fla on the same weights, each measured in the run that reports it
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from .report import write_line
 
 ANCHOR_DIR = Path("/tmp/ninfer-anchor-1b")
 ANCHOR = dict(
@@ -181,7 +182,4 @@ def _bind_fla(module) -> list[str]:
 
 
 def _write(name: str, r: dict, json_path: str | None) -> None:
-    line = json.dumps({"bench": f"gpu-{name}", "results": r})
-    print(line)
-    if json_path:
-        Path(json_path).write_text(line + "\n")
+    write_line({"bench": f"gpu-{name}", "results": r}, json_path)

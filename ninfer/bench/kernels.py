@@ -14,11 +14,11 @@ Times: CUDA events around graph replays, or triton.testing.do_bench (median, L2 
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
 import torch
+
+from .report import write_line
 
 HK, HV, D = 16, 32, 128
 STEPS = 32           # decode calls per captured graph (launch overhead amortised away)
@@ -200,10 +200,7 @@ def main(json_path: str | None = None) -> int:
             results[f"{name}_error"] = repr(exc)
             print(f"bench kernels: {name} failed: {exc!r}", file=sys.stderr)
     _report(results)
-    line = json.dumps({"bench": "kernels", "results": results})
-    print(line)
-    if json_path:
-        Path(json_path).write_text(line + "\n")
+    write_line({"bench": "kernels", "results": results}, json_path)
     return 0
 
 

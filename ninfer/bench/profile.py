@@ -12,13 +12,13 @@ kernel by kernel, to choose the next kernel to write.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections import defaultdict
-from pathlib import Path
 
 import torch
+
+from .report import write_line
 
 REPLAYS = 20
 
@@ -43,22 +43,10 @@ def kernel_table(run, reps: int) -> tuple[int, list[dict]]:
     return round(sum(r["launches"] for r in rows)), rows
 
 
-def _replay_us(graph) -> float:
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / REPLAYS
-
-
 def decode() -> dict:
     from ..engine.model import Lane
     from ..model.graphs import DecodeGraphs
-    from .skinny import anchor_model
+    from .skinny import _events_us, anchor_model
     m = anchor_model()
     out: dict = {}
     for pdl in ("1", "0"):
@@ -70,8 +58,8 @@ def decode() -> dict:
             m.forward_batch([(lane, [7], 1000) for lane in lanes])  # captures
             graph = m.graphs.graphs[(B, 64)].graph
             launches, rows = kernel_table(graph.replay, REPLAYS)
-            out[f"b{B}_pdl{pdl}"] = {"replay_us": _replay_us(graph), "launches": launches,
-                                     "kernels": rows}
+            out[f"b{B}_pdl{pdl}"] = {"replay_us": _events_us(graph.replay, REPLAYS),
+                                     "launches": launches, "kernels": rows}
     os.environ.pop("NINFER_PDL")
     return out
 
@@ -114,10 +102,7 @@ def main(json_path: str | None = None) -> int:
             for k in row["kernels"][:12]:
                 print(f"  {k['us']:9.1f} us {k['launches']:6.1f}x  {k['kernel']}",
                       file=sys.stderr)
-    line = json.dumps({"bench": "profile", "results": r})
-    print(line)
-    if json_path:
-        Path(json_path).write_text(line + "\n")
+    write_line({"bench": "profile", "results": r}, json_path)
     return 0
 
 

@@ -23,8 +23,13 @@ def report(bench: str, results: dict, rows: list[tuple], targets: dict,
     if note:
         print(note)
     doc = {"bench": bench, "results": results, "targets": met}
+    write_line(doc, json_path)
+    return doc
+
+
+def write_line(doc: dict, json_path: str | None = None) -> None:
+    """A benchmark's document as one line of JSON: printed, and written to `json_path`."""
     line = json.dumps(doc)
     print(line)
     if json_path:
         Path(json_path).write_text(line + "\n")
-    return doc

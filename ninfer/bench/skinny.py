@@ -20,7 +20,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +29,7 @@ from kernels import skinny
 from kernels.skinny import Tiles
 
 from .gpu_engine import ANCHOR
+from .report import write_line
 
 # (name, N, K, glu, what the model folds in there)
 SHAPES = [("gdn_in_proj", 6176, 1024, False, "norm"), ("attn_qkv", 5120, 1024, False, "norm"),
@@ -266,10 +266,7 @@ def main(json_path: str | None = None) -> int:
             print(f"bench skinny: {name} failed: {exc!r}", file=sys.stderr)
         print(f"  {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     print(json.dumps(r.get("model")), file=sys.stderr)
-    line = json.dumps({"bench": "skinny", "results": r})
-    print(line)
-    if json_path:
-        Path(json_path).write_text(line + "\n")
+    write_line({"bench": "skinny", "results": r}, json_path)
     return 0
 
 
