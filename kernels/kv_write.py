@@ -21,9 +21,9 @@ from . import pdl
 
 
 @triton.jit
-def _normed(x_ptr, w_ptr, cols, m, inv, offset, dt: tl.constexpr):
-    """Columns `cols` of a head, normed: x * inv * (offset + w), rounded to dt."""
-    x = tl.load(x_ptr + cols, mask=m, other=0.0).to(tl.float32)
+def _normed(x, w_ptr, cols, m, inv, offset, dt: tl.constexpr):
+    """Columns `cols` of a head (x: their float32 values), normed: x * inv * (offset + w),
+    rounded to dt."""
     w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
     return (x * inv * (offset + w)).to(dt)
 
@@ -60,11 +60,12 @@ def _prologue_kernel(y_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out, k_cache, v_
             w_ptr = kw_ptr
         x = tl.load(x_ptr + cols, mask=m, other=0.0).to(tl.float32)
         inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-        normed = _normed(x_ptr, w_ptr, cols, m, inv, offset, dt)
+        normed = _normed(x, w_ptr, cols, m, inv, offset, dt)
         rot = cols < R
         half: tl.constexpr = R // 2
         partner = tl.where(cols < half, cols + half, cols - half)
-        other = _normed(x_ptr, w_ptr, partner, rot, inv, offset, dt).to(tl.float32)
+        x_partner = tl.load(x_ptr + partner, mask=rot, other=0.0).to(tl.float32)
+        other = _normed(x_partner, w_ptr, partner, rot, inv, offset, dt).to(tl.float32)
         other = tl.where(cols < half, -other, other)  # rotate_half: [-x2, x1]
         c = tl.load(cos_ptr + b * s_cb + t * s_ct + cols, mask=rot, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + b * s_cb + t * s_ct + cols, mask=rot, other=0.0).to(tl.float32)
