@@ -2,13 +2,16 @@
 `kernels.gdn_reference.chunk_gated_delta_rule` (chunk size 64, the WY / UT form), with
 several sequences of any lengths packed into one launch per stage.
 
-Three stages, each one launch:
+Three stages:
 
-1. `_wy_kernel`, one program per (chunk, value head): the chunk-local cumulative decay G,
-   the strictly lower [64, 64] system A = beta K K^T * exp(G_i - G_j), its unit
-   lower-triangular inverse X = (I + A)^-1 by 16 x 16 blocks (the four diagonal ones by
-   forward substitution, the rest by block substitution), W = X (beta exp(G) K) and
-   U = X (beta V).
+1. One program per (chunk, value head): the chunk-local cumulative decay G, the strictly
+   lower [64, 64] system A = beta K K^T * exp(G_i - G_j), its unit lower-triangular inverse
+   X = (I + A)^-1 by 16 x 16 blocks (the four diagonal ones by forward substitution, the
+   rest by block substitution), W = X (beta exp(G) K) and U = X (beta V). By default two
+   launches (`GDNChunkConfig.wy_split`): `_solve_kernel` builds A's ten blocks straight from
+   16-row key tiles with one or two warps and writes X; `_wu_kernel` reads it back for W
+   and U. `_wy_kernel` does it all in one launch, cutting the blocks out of [64, 64]
+   registers (1.22 ms against 0.98 at T = 16K on the H200).
 2. `_state_kernel`, one program per (sequence, value head, Dv tile): the only sequential
    loop, over the sequence's chunks, carrying the state tile in registers. Per chunk it
    records the state at the chunk's start, turns U into the corrections V' = U - W S in
@@ -42,10 +45,18 @@ class GDNChunkConfig:
     wy_block_k: int = 64  # Dk tile of stage 1's loops
     wy_block_v: int = 64  # Dv tile of stage 1's U loop
     wy_warps: int = 4
-    # the inverse's [16, 16] blocks cut and joined through a float32 scratch in global
-    # memory (L2) instead of relayouts in registers: 16 KB per (chunk, value head). Not yet
-    # timed on a GPU (`bench/gpu.sh gdn-sweep` times it against the default)
-    wy_staged: bool = False
+    # stage 1 as two launches: `_solve_kernel` builds A by its ten [16, 16] blocks straight
+    # from 16-row key tiles and writes X (no [64, 64] relayouts, few warps), `_wu_kernel`
+    # reads X back for W and U. Not yet timed on a GPU (`bench/gpu.sh gdn-sweep`)
+    wy_split: bool = True
+    # warps of a solve program; None: 1 from 4096 programs up (T = 16K, 32 value heads:
+    # 0.98 ms in all against 1.10 with 2 on the H200), else 2 (T = 4K: 0.29 ms against 0.38;
+    # bench/results/gdn-sweep-h200.json)
+    solve_warps: int | None = None
+    solve_block_k: int = 64  # Dk tile of the solve's key loop
+    # the four diagonal blocks' forward substitutions in one loop (four independent chains
+    # per step) instead of one after another. Not yet timed on a GPU
+    solve_interleaved: bool = False
     state_block_v: int = 32  # Dv tile of one state program: Dv / 32 * N * Hv programs
     state_warps: int = 4
     # software pipelining of the chunk loop's loads (3: 7% faster than 2 at T = 16K on the
@@ -183,54 +194,39 @@ def _inverse_in_registers(a):
 
 
 @triton.jit
-def _block_ptrs(buf, i: tl.constexpr, j: tl.constexpr):
-    """Pointers to block (i, j) (0-based) of a [64, 64] row-major scratch tile."""
-    r = tl.arange(0, 16)
-    return buf + (16 * i + r)[:, None] * 64 + 16 * j + r[None, :]
+def _store_w_u(x, k, v, w, u, rows, rm, G, b_c, h, kh, s_kt, s_kh, s_vt, s_vh,
+               HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
+               BDV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
+               EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+    """w = X (beta exp(G) K) and u = X (beta V) for one chunk's rows, X [64, 64] an operand
+    of dtype DT: per Dk and Dv tile."""
+    kp = k + kh * s_kh + rows[:, None] * s_kt  # [64, 1] row pointers
+    e = (b_c * tl.exp(G))[:, None]
+    wp = w + h * DK + rows[:, None] * (HV * DK)
+    for k0 in tl.static_range(0, BDK, BK):
+        cols = (k0 + tl.arange(0, BK))[None, :]
+        mask = rm[:, None] & (cols < DK)
+        kb = _operand(tl.load(kp + cols, mask=mask, other=0.0).to(tl.float32) * e, DT, EMULATE)
+        w_c = tl.dot(x, kb, input_precision=PRECISION)
+        tl.store(wp + cols, _operand(w_c, DT, EMULATE).to(DT), mask=mask)
+    vp = v + h * s_vh + rows[:, None] * s_vt
+    up = u + h * DV + rows[:, None] * (HV * DV)
+    for v0 in tl.static_range(0, BDV, BV):
+        cols = (v0 + tl.arange(0, BV))[None, :]
+        mask = rm[:, None] & (cols < DV)
+        vb = _operand(tl.load(vp + cols, mask=mask, other=0.0).to(tl.float32) * b_c[:, None],
+                      DT, EMULATE)
+        u_c = tl.dot(x, vb, input_precision=PRECISION)
+        tl.store(up + cols, _operand(u_c, DT, EMULATE).to(DT), mask=mask)
 
 
 @triton.jit
-def _inverse_staged(a, buf):
-    """(I + a)^-1 as `_inverse_in_registers`, the blocks cut and joined through `buf`, this
-    program's [64, 64] float32 scratch in global memory (L2): a store, a barrier and plain
-    loads in place of the relayouts."""
-    t = tl.arange(0, 64)
-    full = buf + t[:, None] * 64 + t[None, :]
-    tl.store(full, a)
-    tl.debug_barrier()  # every thread's part of A is written before any reads a block
-    b4 = tl.arange(0, 4)[:, None, None]
-    r = tl.arange(0, 16)
-    diag_ptrs = buf + (16 * b4 + r[None, :, None]) * 64 + 16 * b4 + r[None, None, :]
-    diag = tl.load(diag_ptrs)  # [4, 16, 16]
-    a21, a31, a32 = tl.load(_block_ptrs(buf, 1, 0)), tl.load(_block_ptrs(buf, 2, 0)), \
-        tl.load(_block_ptrs(buf, 2, 1))
-    a41, a42, a43 = tl.load(_block_ptrs(buf, 3, 0)), tl.load(_block_ptrs(buf, 3, 1)), \
-        tl.load(_block_ptrs(buf, 3, 2))
-    xd = _invert_diagonal_blocks(diag)
-    tl.debug_barrier()  # A read everywhere before X overwrites it
-    tl.store(diag_ptrs, xd)
-    tl.debug_barrier()
-    x11, x22 = tl.load(_block_ptrs(buf, 0, 0)), tl.load(_block_ptrs(buf, 1, 1))
-    x33, x44 = tl.load(_block_ptrs(buf, 2, 2)), tl.load(_block_ptrs(buf, 3, 3))
-    x21, x31, x32, x41, x42, x43 = _off_diagonal(x11, x22, x33, x44, a21, a31, a32, a41, a42,
-                                                 a43)
-    tl.store(_block_ptrs(buf, 1, 0), x21)
-    tl.store(_block_ptrs(buf, 2, 0), x31)
-    tl.store(_block_ptrs(buf, 2, 1), x32)
-    tl.store(_block_ptrs(buf, 3, 0), x41)
-    tl.store(_block_ptrs(buf, 3, 1), x42)
-    tl.store(_block_ptrs(buf, 3, 2), x43)
-    tl.debug_barrier()
-    return tl.load(full, mask=(t[:, None] // 16) >= (t[None, :] // 16), other=0.0)
-
-
-@triton.jit
-def _wy_kernel(k, v, g, beta, chunk_start, chunk_end, g_cum, w, u, scratch,
+def _wy_kernel(k, v, g, beta, chunk_start, chunk_end, g_cum, w, u,
                T, NT, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh,
                HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                BDK: tl.constexpr, BDV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                DT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
-               VARLEN: tl.constexpr, STAGED: tl.constexpr):
+               VARLEN: tl.constexpr):
     """Stage 1, program (chunk c, value head h): g_cum = G, w = X beta exp(G) K,
     u = X beta V for the chunk's rows, X = (I + A)^-1 (see the module docstring). A and X
     are [64, 64]; the inverse works on their [16, 16] blocks."""
@@ -262,32 +258,167 @@ def _wy_kernel(k, v, g, beta, chunk_start, chunk_end, g_cum, w, u, scratch,
     # X = (I + A)^-1 by [16, 16] blocks (float32, IEEE products: the inverse is where
     # rounding would compound): X_aa by forward substitution, then below the diagonal
     # X_ab = -X_aa sum_{b <= m < a} A_am X_mb
-    if STAGED:
-        x = _inverse_staged(a, scratch + (c.to(tl.int64) * HV + h) * 4096)
+    x = _operand(_inverse_in_registers(a), DT, EMULATE)  # [64, 64]
+    _store_w_u(x, k, v, w, u, rows, rm, G, b_c, h, kh, s_kt, s_kh, s_vt, s_vh,
+               HV, DK, DV, BDK, BDV, BK, BV, DT, EMULATE, PRECISION)
+
+
+@triton.jit
+def _invert16(a):
+    """(I + a)^-1 of a strictly lower-triangular [16, 16] a, by forward substitution:
+    x = inverse - I row by row, x_i = -a_i - sum_{j<i} a_ij x_j (rows 0, 1 are -a)."""
+    r = tl.arange(0, 16)[:, None]
+    x = -a
+    for i in range(2, 16):
+        n_i = tl.sum(tl.where(r == i, -a, 0.0), 0)  # [16]: -a[i, :]
+        x = tl.where(r == i, (n_i + tl.sum(n_i[:, None] * x, 0))[None, :], x)
+    return x + tl.where(r == tl.arange(0, 16)[None, :], 1.0, 0.0)
+
+
+@triton.jit
+def _invert16x4(a1, a2, a3, a4):
+    """`_invert16` of four blocks, their substitutions interleaved step by step."""
+    r = tl.arange(0, 16)[:, None]
+    x1, x2, x3, x4 = -a1, -a2, -a3, -a4
+    for i in range(2, 16):
+        row = r == i
+        n1 = tl.sum(tl.where(row, -a1, 0.0), 0)
+        n2 = tl.sum(tl.where(row, -a2, 0.0), 0)
+        n3 = tl.sum(tl.where(row, -a3, 0.0), 0)
+        n4 = tl.sum(tl.where(row, -a4, 0.0), 0)
+        x1 = tl.where(row, (n1 + tl.sum(n1[:, None] * x1, 0))[None, :], x1)
+        x2 = tl.where(row, (n2 + tl.sum(n2[:, None] * x2, 0))[None, :], x2)
+        x3 = tl.where(row, (n3 + tl.sum(n3[:, None] * x3, 0))[None, :], x3)
+        x4 = tl.where(row, (n4 + tl.sum(n4[:, None] * x4, 0))[None, :], x4)
+    eye = tl.where(r == tl.arange(0, 16)[None, :], 1.0, 0.0)
+    return x1 + eye, x2 + eye, x3 + eye, x4 + eye
+
+
+@triton.jit
+def _decayed(a, G_i, G_j, b_i, DIAGONAL: tl.constexpr):
+    """Block (i, j) of A from its block of K K^T: times exp(G_i - G_j) and beta_i, strictly
+    lower on the diagonal (masked before exp: above it the exponent is positive)."""
+    r = tl.arange(0, 16)
+    if DIAGONAL:
+        lower = r[:, None] > r[None, :]
+        a = tl.where(lower, a * tl.exp(tl.where(lower, G_i[:, None] - G_j[None, :], 0.0)), 0.0)
     else:
-        x = _inverse_in_registers(a)
-    x = _operand(x, DT, EMULATE)  # [64, 64]
+        a = a * tl.exp(G_i[:, None] - G_j[None, :])
+    return a * b_i[:, None]
 
-    # w = X (beta exp(G) K): [64, Dk], per Dk tile
-    e = (b_c * tl.exp(G))[:, None]
-    wp = w + h * DK + rows[:, None] * (HV * DK)
+
+@triton.jit
+def _solve_kernel(k, g, beta, chunk_start, chunk_end, g_cum, x_buf,
+                  T, NT, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh,
+                  HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr,
+                  BDK: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
+                  EMULATE: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr,
+                  INTERLEAVED: tl.constexpr):
+    """Stage 1 split, first half, program (chunk c, value head h): g_cum = G and X =
+    (I + A)^-1 into x_buf [rows, HV, 64] (its blocks on and below the diagonal, in DT).
+    A is built by its ten [16, 16] blocks from the chunk's four 16-row key tiles, so no
+    block is ever cut out of a [64, 64] tensor."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    kh = h // GROUP
+    r0, end = _chunk_bounds(c, chunk_start, chunk_end, T, NT, VARLEN)
+    r = tl.arange(0, 16)
+    rows1, rows2, rows3, rows4 = r0 + r, r0 + 16 + r, r0 + 32 + r, r0 + 48 + r
+    m1, m2, m3, m4 = rows1 < end, rows2 < end, rows3 < end, rows4 < end
+    g1 = tl.load(g + rows1 * s_gt + h * s_gh, mask=m1, other=0.0).to(tl.float32)
+    g2 = tl.load(g + rows2 * s_gt + h * s_gh, mask=m2, other=0.0).to(tl.float32)
+    g3 = tl.load(g + rows3 * s_gt + h * s_gh, mask=m3, other=0.0).to(tl.float32)
+    g4 = tl.load(g + rows4 * s_gt + h * s_gh, mask=m4, other=0.0).to(tl.float32)
+    # the chunk's cumulative log-decay, by 16-row tiles (flat past the end)
+    G1 = tl.cumsum(g1, 0)
+    G2 = tl.cumsum(g2, 0) + tl.sum(g1, 0)
+    G3 = tl.cumsum(g3, 0) + tl.sum(g1, 0) + tl.sum(g2, 0)
+    G4 = tl.cumsum(g4, 0) + tl.sum(g1, 0) + tl.sum(g2, 0) + tl.sum(g3, 0)
+    tl.store(g_cum + rows1 * HV + h, G1, mask=m1)
+    tl.store(g_cum + rows2 * HV + h, G2, mask=m2)
+    tl.store(g_cum + rows3 * HV + h, G3, mask=m3)
+    tl.store(g_cum + rows4 * HV + h, G4, mask=m4)
+    b1 = tl.load(beta + rows1 * s_bt + h * s_bh, mask=m1, other=0.0).to(tl.float32)
+    b2 = tl.load(beta + rows2 * s_bt + h * s_bh, mask=m2, other=0.0).to(tl.float32)
+    b3 = tl.load(beta + rows3 * s_bt + h * s_bh, mask=m3, other=0.0).to(tl.float32)
+    b4 = tl.load(beta + rows4 * s_bt + h * s_bh, mask=m4, other=0.0).to(tl.float32)
+
+    # the blocks of K K^T on and below the diagonal (1-based, as in the module docstring)
+    a11 = tl.zeros([16, 16], dtype=tl.float32)
+    a21, a22 = a11, a11
+    a31, a32, a33 = a11, a11, a11
+    a41, a42, a43, a44 = a11, a11, a11, a11
+    kp = k + kh * s_kh
     for k0 in tl.static_range(0, BDK, BK):
-        cols = (k0 + tl.arange(0, BK))[None, :]
-        mask = rm[:, None] & (cols < DK)
-        kb = _operand(tl.load(kp + cols, mask=mask, other=0.0).to(tl.float32) * e, DT, EMULATE)
-        w_c = tl.dot(x, kb, input_precision=PRECISION)
-        tl.store(wp + cols, _operand(w_c, DT, EMULATE).to(DT), mask=mask)
+        cols = k0 + tl.arange(0, BK)
+        cm = cols < DK
+        k1 = _operand(_load_tile(kp, rows1, m1, s_kt, cols, cm), DT, EMULATE)
+        k2 = _operand(_load_tile(kp, rows2, m2, s_kt, cols, cm), DT, EMULATE)
+        k3 = _operand(_load_tile(kp, rows3, m3, s_kt, cols, cm), DT, EMULATE)
+        k4 = _operand(_load_tile(kp, rows4, m4, s_kt, cols, cm), DT, EMULATE)
+        a11 = tl.dot(k1, tl.trans(k1), a11, input_precision=PRECISION)
+        a21 = tl.dot(k2, tl.trans(k1), a21, input_precision=PRECISION)
+        a22 = tl.dot(k2, tl.trans(k2), a22, input_precision=PRECISION)
+        a31 = tl.dot(k3, tl.trans(k1), a31, input_precision=PRECISION)
+        a32 = tl.dot(k3, tl.trans(k2), a32, input_precision=PRECISION)
+        a33 = tl.dot(k3, tl.trans(k3), a33, input_precision=PRECISION)
+        a41 = tl.dot(k4, tl.trans(k1), a41, input_precision=PRECISION)
+        a42 = tl.dot(k4, tl.trans(k2), a42, input_precision=PRECISION)
+        a43 = tl.dot(k4, tl.trans(k3), a43, input_precision=PRECISION)
+        a44 = tl.dot(k4, tl.trans(k4), a44, input_precision=PRECISION)
+    a11 = _decayed(a11, G1, G1, b1, True)
+    a22 = _decayed(a22, G2, G2, b2, True)
+    a33 = _decayed(a33, G3, G3, b3, True)
+    a44 = _decayed(a44, G4, G4, b4, True)
+    a21 = _decayed(a21, G2, G1, b2, False)
+    a31 = _decayed(a31, G3, G1, b3, False)
+    a32 = _decayed(a32, G3, G2, b3, False)
+    a41 = _decayed(a41, G4, G1, b4, False)
+    a42 = _decayed(a42, G4, G2, b4, False)
+    a43 = _decayed(a43, G4, G3, b4, False)
 
-    # u = X (beta V): [64, Dv], per Dv tile
-    vp = v + h * s_vh + rows[:, None] * s_vt
-    up = u + h * DV + rows[:, None] * (HV * DV)
-    for v0 in tl.static_range(0, BDV, BV):
-        cols = (v0 + tl.arange(0, BV))[None, :]
-        mask = rm[:, None] & (cols < DV)
-        vb = _operand(tl.load(vp + cols, mask=mask, other=0.0).to(tl.float32) * b_c[:, None],
-                      DT, EMULATE)
-        u_c = tl.dot(x, vb, input_precision=PRECISION)
-        tl.store(up + cols, _operand(u_c, DT, EMULATE).to(DT), mask=mask)
+    if INTERLEAVED:
+        x11, x22, x33, x44 = _invert16x4(a11, a22, a33, a44)
+    else:
+        x11, x22, x33, x44 = _invert16(a11), _invert16(a22), _invert16(a33), _invert16(a44)
+    x21, x31, x32, x41, x42, x43 = _off_diagonal(x11, x22, x33, x44, a21, a31, a32, a41, a42,
+                                                 a43)
+    xp = x_buf + h * 64
+    _store_tile(xp, rows1, m1, HV * 64, r, r < 16, x11, EMULATE)
+    _store_tile(xp, rows2, m2, HV * 64, r, r < 16, x21, EMULATE)
+    _store_tile(xp, rows2, m2, HV * 64, 16 + r, r < 16, x22, EMULATE)
+    _store_tile(xp, rows3, m3, HV * 64, r, r < 16, x31, EMULATE)
+    _store_tile(xp, rows3, m3, HV * 64, 16 + r, r < 16, x32, EMULATE)
+    _store_tile(xp, rows3, m3, HV * 64, 32 + r, r < 16, x33, EMULATE)
+    _store_tile(xp, rows4, m4, HV * 64, r, r < 16, x41, EMULATE)
+    _store_tile(xp, rows4, m4, HV * 64, 16 + r, r < 16, x42, EMULATE)
+    _store_tile(xp, rows4, m4, HV * 64, 32 + r, r < 16, x43, EMULATE)
+    _store_tile(xp, rows4, m4, HV * 64, 48 + r, r < 16, x44, EMULATE)
+
+
+@triton.jit
+def _wu_kernel(k, v, beta, g_cum, x_buf, chunk_start, chunk_end, w, u,
+               T, NT, s_kt, s_kh, s_vt, s_vh, s_bt, s_bh,
+               HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+               BDK: tl.constexpr, BDV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+               DT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
+               VARLEN: tl.constexpr):
+    """Stage 1 split, second half, program (chunk c, value head h): w and u as `_wy_kernel`
+    makes them, from the X that `_solve_kernel` wrote (zero above its diagonal blocks)."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    kh = h // GROUP
+    r0, end = _chunk_bounds(c, chunk_start, chunk_end, T, NT, VARLEN)
+    t = tl.arange(0, 64)
+    rows = r0 + t
+    rm = rows < end
+    G = tl.load(g_cum + rows * HV + h, mask=rm, other=0.0)
+    b_c = tl.load(beta + rows * s_bt + h * s_bh, mask=rm, other=0.0).to(tl.float32)
+    x = tl.load(x_buf + h * 64 + rows[:, None] * (HV * 64) + t[None, :],
+                mask=rm[:, None] & ((t[:, None] // 16) >= (t[None, :] // 16)), other=0.0)
+    x = _operand(x, DT, EMULATE)
+    _store_w_u(x, k, v, w, u, rows, rm, G, b_c, h, kh, s_kt, s_kh, s_vt, s_vh,
+               HV, DK, DV, BDK, BDV, BK, BV, DT, EMULATE, PRECISION)
 
 
 @triton.jit
@@ -518,14 +649,23 @@ def chunk_gated_delta_rule(
     h_buf = torch.empty(max(n_slots, 1), Hv, Dk, Dv, dtype=dot_torch, device=device)
 
     if rows > 0:
-        scratch = (torch.empty(n_slots * Hv * 4096, dtype=torch.float32, device=device)
-                   if cfg.wy_staged else g_cum)
-        _wy_kernel[(n_slots, Hv)](
-            k, v, g, beta, chunk_start, chunk_end, g_cum, w, u, scratch, T, NT,
-            k.stride(1), k.stride(2), v.stride(1), v.stride(2),
-            g.stride(1), g.stride(2), beta.stride(1), beta.stride(2),
-            BDK=BDK, BDV=BDV, BK=_block(Dk, cfg.wy_block_k), BV=_block(Dv, cfg.wy_block_v),
-            STAGED=cfg.wy_staged, num_warps=cfg.wy_warps, **common)
+        rows_of = dict(T=T, NT=NT, s_kt=k.stride(1), s_kh=k.stride(2), s_bt=beta.stride(1),
+                       s_bh=beta.stride(2), BDK=BDK, chunk_start=chunk_start,
+                       chunk_end=chunk_end, k=k, beta=beta, g_cum=g_cum)
+        w_u = dict(v=v, w=w, u=u, s_vt=v.stride(1), s_vh=v.stride(2), BDV=BDV,
+                   BK=_block(Dk, cfg.wy_block_k), BV=_block(Dv, cfg.wy_block_v),
+                   num_warps=cfg.wy_warps, **rows_of, **common)
+        gates = dict(g=g, s_gt=g.stride(1), s_gh=g.stride(2))
+        if cfg.wy_split:
+            x_buf = torch.empty(rows, Hv, CHUNK, dtype=dot_torch, device=device)
+            warps = cfg.solve_warps or (1 if n_slots * Hv >= 4096 else 2)
+            _solve_kernel[(n_slots, Hv)](
+                x_buf=x_buf, BK=_block(Dk, cfg.solve_block_k), num_warps=warps,
+                INTERLEAVED=cfg.solve_interleaved,
+                **gates, **rows_of, **{n: x for n, x in common.items() if n != "DV"})
+            _wu_kernel[(n_slots, Hv)](x_buf=x_buf, **w_u)
+        else:
+            _wy_kernel[(n_slots, Hv)](**gates, **w_u)
     sbv = _block(Dv, cfg.state_block_v)
     _state_kernel[(N * Hv, triton.cdiv(Dv, sbv))](
         k, w, u, g_cum, h_buf, h0, ht, cu, chunk_offsets, T, NT, k.stride(1), k.stride(2),

@@ -17,16 +17,19 @@ from kernels.gdn_chunk import DEFAULT_CONFIG
 
 from .report import write_line
 
-CONFIGS = {
+CONFIGS = {  # changes to DEFAULT_CONFIG (split stage 1, solve warps by program count)
     "default": {},
-    "staged": {"wy_staged": True},
-    "staged_wy8": {"wy_staged": True, "wy_warps": 8},
-    "staged_wy128": {"wy_staged": True, "wy_block_k": 128, "wy_block_v": 128},
-    "wy128": {"wy_block_k": 128, "wy_block_v": 128},
-    "state_stages2": {"state_stages": 2},
+    "fused": {"wy_split": False},
+    "fused_wy2": {"wy_split": False, "wy_warps": 2},
+    "interleaved": {"solve_interleaved": True},
+    "s1": {"solve_warps": 1},
+    "s2": {"solve_warps": 2},
+    "s1_interleaved": {"solve_warps": 1, "solve_interleaved": True},
+    "s2_interleaved": {"solve_warps": 2, "solve_interleaved": True},
+    "s1_bk32": {"solve_warps": 1, "solve_block_k": 32},
+    "wu128": {"wy_block_k": 128, "wy_block_v": 128},
+    "interleaved_wu128": {"solve_interleaved": True, "wy_block_k": 128, "wy_block_v": 128},
     "state_stages4": {"state_stages": 4},
-    "state_bv64": {"state_block_v": 64, "state_warps": 8},
-    "out64": {"out_block_v": 64},
 }
 
 
