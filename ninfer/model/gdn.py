@@ -107,10 +107,11 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(c.linear_value_head_dim, c.rms_norm_eps)
         self.out_proj = nn.Linear(vd, h, bias=False)
 
-    def _project(self, x: Tensor, norm: RMSNorm | None = None,
+    def _project(self, x: Tensor, norm: RMSNorm | None = None, conv: tuple | None = None,
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """x [B, T, hidden] (normed by `norm` first, if given) -> qkv [B, T, conv_dim]
-        (q, k, v flat, in that order), z [B, T, Hv, Dv], b, a [B, T, Hv]."""
+        (q, k, v flat, in that order), z [B, T, Hv, Dv], b, a [B, T, Hv]. `conv`: the
+        skinny GEMM's conv epilogue (`skinny.norm_linear`'s; a skinny GEMM with `norm` only)."""
         B, T, _ = x.shape
         Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         skinny = skinny_for(x)
@@ -119,7 +120,7 @@ class GatedDeltaNet(nn.Module):
         if kernels_for(x) is not None:  # one GEMM into [q | k | v | z | b | a], views of it
             w = self._packed()
             y = F.linear(x, w) if skinny is None else skinny.linear(x, w) if norm is None \
-                else skinny.norm_linear(x, norm.weight, norm.eps, w)
+                else skinny.norm_linear(x, norm.weight, norm.eps, w, conv=conv)
             C, vd = 2 * Hk * Dk + Hv * Dv, Hv * Dv
             return (y[..., :C], y[..., C:C + vd].view(B, T, Hv, Dv),
                     y[..., C + vd:C + vd + Hv], y[..., C + vd + Hv:])
@@ -229,11 +230,16 @@ class GatedDeltaNet(nn.Module):
         """One token per lane, the conv tail and recurrent matrix updated in their slots."""
         B = x.shape[0]
         Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
-        qkv, z, b, a = self._project(x, norm)  # qkv: [B, 1, conv_dim]
-        conv_out, _ = dev.conv(qkv.transpose(1, 2), state.conv_pool,
-                               self.conv1d.weight.squeeze(1), activation="silu",
-                               state_indices=state.slots)
-        q, k, v = conv_out.transpose(1, 2).split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+        weight = self.conv1d.weight.squeeze(1)
+        if norm is not None and skinny_for(x) is not None:
+            # one row: the conv folds into the in-projection's GEMM (one launch fewer)
+            conv_out, z, b, a = self._project(x, norm, conv=(state.conv_pool, state.slots,
+                                                             weight))
+        else:
+            qkv, z, b, a = self._project(x, norm)  # qkv: [B, 1, conv_dim]
+            conv_out = dev.conv(qkv.transpose(1, 2), state.conv_pool, weight,
+                                activation="silu", state_indices=state.slots)[0].transpose(1, 2)
+        q, k, v = conv_out.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
         o = dev.step(q.reshape(B, 1, Hk, Dk), k.reshape(B, 1, Hk, Dk), v.reshape(B, 1, Hv, Dv),
                      None, None, state.rec_pool, state_indices=state.slots, use_qk_l2norm=True,
                      gates=(a, b, self.A_log, self.dt_bias))

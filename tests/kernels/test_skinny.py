@@ -135,3 +135,50 @@ def test_a_graph_of_dependent_launches_matches_the_chain_run_one_call_at_a_time(
         got.zero_()
         graph.replay()
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tiles", TILES)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_conv_epilogue_equals_the_projection_then_the_conv_kernel_reference(rows, tiles,
+                                                                            dtype):
+    """The in-projection with the GDN conv folded in: its first C columns are the causal
+    conv (SiLU) of each lane's tail in its pool slot ++ the new value, the tails shift in
+    place, a padding lane (slot -1) reads zeros and writes nothing, and the columns past C
+    and the other slots are left as the plain GEMM / untouched."""
+    from kernels.gdn_reference import causal_conv1d_update
+    C, KC = 24, 4
+    x = _randn(rows, 1, K, dtype=dtype, scale=3.0)
+    nw = _randn(K, dtype=dtype, scale=0.1)
+    w = _randn(N, K, dtype=dtype, scale=K ** -0.5)
+    cw = _randn(C, KC, dtype=dtype, scale=0.5)
+    pool = _randn(6, C, KC - 1, dtype=dtype)
+    slots = torch.tensor([4, -1, 1][:rows], device=DEVICE)
+    before = pool.clone()
+    got = skinny.norm_linear(x, nw, 1e-6, w, conv=(pool, slots, cw), tiles=tiles)
+    want = skinny.norm_linear_reference(x, nw, 1e-6, w)
+    tails = before[slots.clamp(min=0)] * (slots >= 0)[:, None, None]  # padding: zeros
+    # the conv in float32 on the rounded projection, as the conv kernel computes it (the
+    # torch reference would compute in the inputs' dtype)
+    y, _ = causal_conv1d_update(want[:, 0, :C, None].float(), tails.float(), cw.float())
+    _close(got[..., C:], want[..., C:], dtype)
+    _close(got[:, 0, :C], y[..., 0].to(dtype), dtype)
+    for r, slot in enumerate(slots.tolist()):
+        if slot >= 0:  # the new tail holds the rounded projection this call returned
+            assert torch.equal(pool[slot, :, :-1], before[slot, :, 1:])
+            _close(pool[slot, :, -1], want[r, 0, :C], dtype)
+    untouched = [s for s in range(6) if s not in slots.tolist()]
+    assert torch.equal(pool[untouched], before[untouched])
+    _workspace_is_clean()
+
+
+def test_conv_epilogue_refuses_what_it_cannot_fold():
+    x = _randn(1, K, dtype=torch.float32)
+    w = _randn(2 * N, K, dtype=torch.float32)
+    conv = (_randn(2, 8, 3, dtype=torch.float32), torch.tensor([0], device=DEVICE),
+            _randn(8, 4, dtype=torch.float32))
+    with pytest.raises(ValueError, match="conv epilogue"):
+        skinny.norm_linear(x, _randn(K, dtype=torch.float32), 1e-6, w, glu=True, conv=conv)
+    with pytest.raises(ValueError, match="conv epilogue"):
+        skinny.norm_linear(x, _randn(K, dtype=torch.float32), 1e-6, w,
+                           conv=(conv[0], torch.tensor([0, 1], device=DEVICE), conv[2]))

@@ -53,7 +53,8 @@ def test_the_kernel_path_gives_the_torch_paths_tokens(spec, monkeypatch):
     assert all(isinstance(s, SlotGDNState) for s in state.gdn.values())
 
 
-def test_a_one_token_step_updates_only_its_lanes_slots(on_cpu):
+@pytest.mark.parametrize("slots", [[4, 1], [4]])  # one lane: the conv folds into the GEMM
+def test_a_one_token_step_updates_only_its_lanes_slots(on_cpu, slots):
     model = _factory(16, 4, 6)
     net, c = model.net, model.config
     torch.manual_seed(1)
@@ -61,24 +62,25 @@ def test_a_one_token_step_updates_only_its_lanes_slots(on_cpu):
         model.conv[layer].normal_()
         model.recurrent[layer].normal_(std=0.1)
     before = {i: (model.conv[i].clone(), model.recurrent[i].clone()) for i in model.conv}
-    ids, pos = torch.tensor([[5], [7]]), torch.tensor([[3], [3]])
-    tables = [[0, 1], [2, 3]]
+    n = len(slots)
+    ids, pos = torch.tensor([[5], [7]][:n]), torch.tensor([[3], [3]][:n])
+    tables = [[0, 1], [2, 3]][:n]
     # the torch path on copies of slots 4 and 1
     from ninfer.model.gdn import GDNState
     from ninfer.model.hybrid import HybridState
     from ninfer.model.torch_model import PagedKV
-    idx = torch.tensor([4, 1])
+    idx = torch.tensor(slots)
     copies = {i: GDNState(before[i][0][idx], before[i][1][idx]) for i in model.conv}
     kernels.INTERPRET_ON_CPU = False
     ref = net.forward(ids, pos, HybridState(copies, PagedKV(model.kv_k, model.kv_v, 4, tables)))
     kernels.INTERPRET_ON_CPU = True
-    got = net.forward(ids, pos, model._state([4, 1], tables))
+    got = net.forward(ids, pos, model._state(slots, tables))
     assert torch.allclose(got.logits, ref.logits, atol=1e-4, rtol=1e-4)
     for i in model.conv:
         for pool, new, old in ((model.conv[i], ref.state.gdn[i].conv, before[i][0]),
                                (model.recurrent[i], ref.state.gdn[i].recurrent, before[i][1])):
             assert torch.allclose(pool[idx], new.to(pool.dtype), atol=1e-4, rtol=1e-4)
-            untouched = [s for s in range(6) if s not in (4, 1)]
+            untouched = [s for s in range(6) if s not in slots]
             assert torch.equal(pool[untouched], old[untouched])
     assert c.linear_layers
 
