@@ -47,7 +47,8 @@ class GDNChunkConfig:
     wy_warps: int = 4
     # stage 1 as two launches: `_solve_kernel` builds A by its ten [16, 16] blocks straight
     # from 16-row key tiles and writes X (no [64, 64] relayouts, few warps), `_wu_kernel`
-    # reads X back for W and U. Not yet timed on a GPU (`bench/gpu.sh gdn-sweep`)
+    # reads X back for W and U. On the H200 at T = 16K: 0.98 ms in all against 1.22 with
+    # the one-launch `_wy_kernel` (bench/results/gdn-sweep-h200.json)
     wy_split: bool = True
     # warps of a solve program; None: 1 from 4096 programs up (T = 16K, 32 value heads:
     # 0.98 ms in all against 1.10 with 2 on the H200), else 2 (T = 4K: 0.29 ms against 0.38;
