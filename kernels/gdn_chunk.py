@@ -55,9 +55,6 @@ class GDNChunkConfig:
     # bench/results/gdn-sweep-h200.json)
     solve_warps: int | None = None
     solve_block_k: int = 64  # Dk tile of the solve's key loop
-    # the four diagonal blocks' forward substitutions in one loop (four independent chains
-    # per step) instead of one after another. Not yet timed on a GPU
-    solve_interleaved: bool = False
     state_block_v: int = 32  # Dv tile of one state program: Dv / 32 * N * Hv programs
     state_warps: int = 4
     # software pipelining of the chunk loop's loads (3: 7% faster than 2 at T = 16K on the
@@ -117,6 +114,14 @@ def _chunk_bounds(c, chunk_start, chunk_end, T, NT, VARLEN: tl.constexpr):
         start = n * T + (c % NT) * 64
         end = n * T + T
     return start, end
+
+
+@triton.jit
+def _chunk_rows(c, chunk_start, chunk_end, T, NT, VARLEN: tl.constexpr):
+    """Chunk c's 64 packed rows (int64), which of them its sequence has, and its bounds."""
+    r0, end = _chunk_bounds(c, chunk_start, chunk_end, T, NT, VARLEN)
+    rows = r0 + tl.arange(0, 64)
+    return rows, rows < end, r0, end
 
 
 @triton.jit
@@ -234,10 +239,8 @@ def _wy_kernel(k, v, g, beta, chunk_start, chunk_end, g_cum, w, u,
     c = tl.program_id(0)
     h = tl.program_id(1)
     kh = h // GROUP
-    r0, end = _chunk_bounds(c, chunk_start, chunk_end, T, NT, VARLEN)
+    rows, rm, r0, end = _chunk_rows(c, chunk_start, chunk_end, T, NT, VARLEN)
     t = tl.arange(0, 64)
-    rows = r0 + t  # [64] packed rows of the chunk
-    rm = rows < end
     g_c = tl.load(g + rows * s_gt + h * s_gh, mask=rm, other=0.0).to(tl.float32)
     b_c = tl.load(beta + rows * s_bt + h * s_bh, mask=rm, other=0.0).to(tl.float32)
     G = tl.cumsum(g_c, 0)  # [64] chunk-local cumulative log-decay (flat past the end)
@@ -277,25 +280,6 @@ def _invert16(a):
 
 
 @triton.jit
-def _invert16x4(a1, a2, a3, a4):
-    """`_invert16` of four blocks, their substitutions interleaved step by step."""
-    r = tl.arange(0, 16)[:, None]
-    x1, x2, x3, x4 = -a1, -a2, -a3, -a4
-    for i in range(2, 16):
-        row = r == i
-        n1 = tl.sum(tl.where(row, -a1, 0.0), 0)
-        n2 = tl.sum(tl.where(row, -a2, 0.0), 0)
-        n3 = tl.sum(tl.where(row, -a3, 0.0), 0)
-        n4 = tl.sum(tl.where(row, -a4, 0.0), 0)
-        x1 = tl.where(row, (n1 + tl.sum(n1[:, None] * x1, 0))[None, :], x1)
-        x2 = tl.where(row, (n2 + tl.sum(n2[:, None] * x2, 0))[None, :], x2)
-        x3 = tl.where(row, (n3 + tl.sum(n3[:, None] * x3, 0))[None, :], x3)
-        x4 = tl.where(row, (n4 + tl.sum(n4[:, None] * x4, 0))[None, :], x4)
-    eye = tl.where(r == tl.arange(0, 16)[None, :], 1.0, 0.0)
-    return x1 + eye, x2 + eye, x3 + eye, x4 + eye
-
-
-@triton.jit
 def _decayed(a, G_i, G_j, b_i, DIAGONAL: tl.constexpr):
     """Block (i, j) of A from its block of K K^T: times exp(G_i - G_j) and beta_i, strictly
     lower on the diagonal (masked before exp: above it the exponent is positive)."""
@@ -313,8 +297,7 @@ def _solve_kernel(k, g, beta, chunk_start, chunk_end, g_cum, x_buf,
                   T, NT, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh,
                   HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr,
                   BDK: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
-                  EMULATE: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr,
-                  INTERLEAVED: tl.constexpr):
+                  EMULATE: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr):
     """Stage 1 split, first half, program (chunk c, value head h): g_cum = G and X =
     (I + A)^-1 into x_buf [rows, HV, 64] (its blocks on and below the diagonal, in DT).
     A is built by its ten [16, 16] blocks from the chunk's four 16-row key tiles, so no
@@ -378,10 +361,7 @@ def _solve_kernel(k, g, beta, chunk_start, chunk_end, g_cum, x_buf,
     a42 = _decayed(a42, G4, G2, b4, False)
     a43 = _decayed(a43, G4, G3, b4, False)
 
-    if INTERLEAVED:
-        x11, x22, x33, x44 = _invert16x4(a11, a22, a33, a44)
-    else:
-        x11, x22, x33, x44 = _invert16(a11), _invert16(a22), _invert16(a33), _invert16(a44)
+    x11, x22, x33, x44 = _invert16(a11), _invert16(a22), _invert16(a33), _invert16(a44)
     x21, x31, x32, x41, x42, x43 = _off_diagonal(x11, x22, x33, x44, a21, a31, a32, a41, a42,
                                                  a43)
     xp = x_buf + h * 64
@@ -409,10 +389,8 @@ def _wu_kernel(k, v, beta, g_cum, x_buf, chunk_start, chunk_end, w, u,
     c = tl.program_id(0)
     h = tl.program_id(1)
     kh = h // GROUP
-    r0, end = _chunk_bounds(c, chunk_start, chunk_end, T, NT, VARLEN)
+    rows, rm, r0, end = _chunk_rows(c, chunk_start, chunk_end, T, NT, VARLEN)
     t = tl.arange(0, 64)
-    rows = r0 + t
-    rm = rows < end
     G = tl.load(g_cum + rows * HV + h, mask=rm, other=0.0)
     b_c = tl.load(beta + rows * s_bt + h * s_bh, mask=rm, other=0.0).to(tl.float32)
     x = tl.load(x_buf + h * 64 + rows[:, None] * (HV * 64) + t[None, :],
@@ -491,10 +469,8 @@ def _output_kernel(q, k, u, g_cum, h_buf, o, chunk_start, chunk_end, T, NT,
     h = tl.program_id(1)
     iv = tl.program_id(2)
     kh = h // GROUP
-    r0, end = _chunk_bounds(c, chunk_start, chunk_end, T, NT, VARLEN)
+    rows, rm, r0, end = _chunk_rows(c, chunk_start, chunk_end, T, NT, VARLEN)
     t = tl.arange(0, 64)
-    rows = r0 + t
-    rm = rows < end
     kr = tl.arange(0, BDK)
     km = kr < DK
     vc = iv * BV + tl.arange(0, BV)
@@ -662,7 +638,6 @@ def chunk_gated_delta_rule(
             warps = cfg.solve_warps or (1 if n_slots * Hv >= 4096 else 2)
             _solve_kernel[(n_slots, Hv)](
                 x_buf=x_buf, BK=_block(Dk, cfg.solve_block_k), num_warps=warps,
-                INTERLEAVED=cfg.solve_interleaved,
                 **gates, **rows_of, **{n: x for n, x in common.items() if n != "DV"})
             _wu_kernel[(n_slots, Hv)](x_buf=x_buf, **w_u)
         else:

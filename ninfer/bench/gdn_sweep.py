@@ -21,14 +21,11 @@ CONFIGS = {  # changes to DEFAULT_CONFIG (split stage 1, solve warps by program 
     "default": {},
     "fused": {"wy_split": False},
     "fused_wy2": {"wy_split": False, "wy_warps": 2},
-    "interleaved": {"solve_interleaved": True},
     "s1": {"solve_warps": 1},
     "s2": {"solve_warps": 2},
-    "s1_interleaved": {"solve_warps": 1, "solve_interleaved": True},
-    "s2_interleaved": {"solve_warps": 2, "solve_interleaved": True},
     "s1_bk32": {"solve_warps": 1, "solve_block_k": 32},
+    "s1_bk128": {"solve_warps": 1, "solve_block_k": 128},
     "wu128": {"wy_block_k": 128, "wy_block_v": 128},
-    "interleaved_wu128": {"solve_interleaved": True, "wy_block_k": 128, "wy_block_v": 128},
     "state_stages4": {"state_stages": 4},
 }
 
