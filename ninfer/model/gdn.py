@@ -115,6 +115,8 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = x.shape
         Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         skinny = skinny_for(x)
+        if conv is not None and (skinny is None or norm is None):
+            raise ValueError("the conv folds only into a one-row GEMM with its norm")
         if norm is not None and skinny is None:
             x = norm(x)
         if kernels_for(x) is not None:  # one GEMM into [q | k | v | z | b | a], views of it

@@ -85,6 +85,20 @@ def test_a_one_token_step_updates_only_its_lanes_slots(on_cpu, slots):
     assert c.linear_layers
 
 
+def test_a_conv_that_cannot_fold_into_the_projection_is_refused(on_cpu):
+    """Two rows take no skinny GEMM: the conv must not be dropped on the floor."""
+    model = _factory(16, 4, 6)
+    layer = model.net.model.layers[model.config.linear_layers[0]]
+    gdn = layer.linear_attn
+    conv = (model.conv[model.config.linear_layers[0]], torch.tensor([0, 1]),
+            gdn.conv1d.weight.squeeze(1))
+    x = torch.randn(2, 1, model.config.hidden_size)
+    with pytest.raises(ValueError, match="conv folds only"):
+        gdn._project(x, layer.input_layernorm, conv=conv)
+    with pytest.raises(ValueError, match="conv folds only"):
+        gdn._project(x[:1], None, conv=conv)
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
 def test_packed_projections_equal_the_checkpoints_layout(family, monkeypatch):
     """The device path's one GEMM into [q | k | v | z | b | a] gives what the checkpoint's
