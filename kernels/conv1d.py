@@ -33,7 +33,7 @@ def _window(x_row, tail_row, s_xc, s_xt, s_tc, offs_c, mc, live_c, w, T, KM1: tl
 
 @triton.jit
 def _conv_update_kernel(
-    x_ptr, state_ptr, w_ptr, bias_ptr, idx_ptr, y_ptr, tail_ptr,
+    x_ptr, state_ptr, w_ptr, bias_ptr, idx_ptr, out_idx_ptr, y_ptr, tail_ptr,
     C, T,
     s_xb, s_xc, s_xt, s_sn, s_sc, s_wc, s_wk, s_yb, s_yc, s_yt,
     s_ob, s_ot, s_oc,  # tail output strides: [B, C, K-1] (s_ot = 0) or [B, T, C, K-1]
@@ -49,8 +49,10 @@ def _conv_update_kernel(
     mc = offs_c < C
     if HAS_INDEX:
         slot = tl.load(idx_ptr + b).to(tl.int64)
+        dest = tl.load(out_idx_ptr + b).to(tl.int64)  # where the new tail goes
     else:
         slot = b.to(tl.int64)
+        dest = slot
     # a negative slot is a padding lane: its tail reads as zeros and is never written; the
     # condition is a vector because the interpreter rejects scalar & tensor masks
     live_c = mc & ((slot + offs_c * 0) >= 0)
@@ -88,7 +90,7 @@ def _conv_update_kernel(
                  new_tail.to(tail_ptr.dtype.element_ty), mask=mc[:, None] & mk)
         # every thread's reads of the old tail must land before any thread overwrites it
         tl.debug_barrier()
-        tl.store(tail_row + offs_c[:, None] * s_sc + cols[None, :],
+        tl.store(tail_row + (dest - slot) * s_sn + offs_c[:, None] * s_sc + cols[None, :],
                  new_tail.to(state_ptr.dtype.element_ty), mask=live_c[:, None] & mk)
 
 
@@ -96,6 +98,7 @@ def causal_conv1d_update(
     x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor | None = None,
     activation: str | None = "silu", state_indices: Tensor | None = None,
     all_states: bool = False, BC: int | None = None, num_warps: int = 4,
+    out_indices: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Depthwise causal conv over T new inputs per lane, continuing from saved tails.
 
@@ -108,8 +111,9 @@ def causal_conv1d_update(
 
     Returns (y, tail): y [B, C, T] in x's dtype with x's memory layout. Without
     `all_states`, tail is the new tail [B, C, K-1] (a fresh tensor in conv_state's dtype),
-    which is also written IN PLACE into conv_state at the lanes' slots (other slots
-    untouched). With `all_states`, conv_state is not modified and tail is the tail after
+    which is also written IN PLACE into conv_state at the lanes' slots (or at
+    `out_indices` [B], with `state_indices`: the input tails are then left as they were;
+    other slots untouched). With `all_states`, conv_state is not modified and tail is the tail after
     every position, [B, T, C, K-1] in conv_state's dtype. Matches
     `kernels.gdn_reference.causal_conv1d_update`.
 
@@ -128,6 +132,8 @@ def causal_conv1d_update(
     elif tuple(conv_state.shape[1:]) != (C, K - 1) or state_indices.shape != (B,):
         raise ValueError(f"conv_state pool {tuple(conv_state.shape)} / indices "
                          f"{tuple(state_indices.shape)} do not fit {(B, C, K - 1)}")
+    if out_indices is not None and (state_indices is None or out_indices.shape != (B,)):
+        raise ValueError("out_indices [B] go with state_indices")
     if conv_state.stride(-1) != 1:
         raise ValueError("conv_state must have a contiguous last axis")
     if bias is not None and bias.shape != (C,):
@@ -144,7 +150,9 @@ def causal_conv1d_update(
     grid = (triton.cdiv(C, BC), B)
     _conv_update_kernel[grid](
         x, conv_state, weight, bias if bias is not None else weight,
-        state_indices if state_indices is not None else conv_state, y, tail,
+        state_indices if state_indices is not None else conv_state,
+        out_indices if out_indices is not None else state_indices if state_indices is not None
+        else conv_state, y, tail,
         C, T,
         *x.stride(), *conv_state.stride()[:2], *weight.stride(), *y.stride(), *t_strides,
         K=K, KP=max(2, triton.next_power_of_2(K - 1)), BC=BC, BT=BT,

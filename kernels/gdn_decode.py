@@ -25,7 +25,7 @@ L2_EPS = 1e-6  # as ninfer.model.gdn.l2_normalize: x * rsqrt(sum x^2 + eps)
 
 @triton.jit
 def _gdn_decode_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, idx_ptr, states_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, idx_ptr, out_idx_ptr, states_ptr,
     T, scale,
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
     s_gb, s_gt, s_gh, s_bb, s_bt, s_bh, s_ob, s_ot, s_oh,
@@ -35,10 +35,11 @@ def _gdn_decode_kernel(
     HV: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_INDEX: tl.constexpr, ALL_STATES: tl.constexpr, L2NORM: tl.constexpr,
-    EPS: tl.constexpr, RAW_GATES: tl.constexpr, PDL: tl.constexpr,
+    EPS: tl.constexpr, RAW_GATES: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.launch_dependents(PDL)
-    pdl.wait(PDL)
+    if not EARLY:
+        pdl.wait(PDL)
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     b, h = i_bh // HV, i_bh % HV
     hk = h // R  # grouped heads: consecutive value heads share a key head
@@ -49,13 +50,17 @@ def _gdn_decode_kernel(
 
     if HAS_INDEX:
         slot = tl.load(idx_ptr + b).to(tl.int64)
+        dest = tl.load(out_idx_ptr + b).to(tl.int64)  # where the new state goes
     else:
         slot = b.to(tl.int64)
+        dest = slot
     # a negative slot is a padding lane: its state reads as zeros and is never written (a
     # vector, not a scalar, in the mask: the interpreter rejects scalar & tensor masks)
     live = mkv & ((slot + offs_v * 0) >= 0)[None, :]
     p_s = state_ptr + slot * s_sn + h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :]
     S = tl.load(p_s, mask=live, other=0.0).to(tl.float32)  # S: [BK, BV]
+    if EARLY:  # the state's DRAM round trip overlapped the previous kernel
+        pdl.wait(PDL)
 
     p_q = q_ptr + b * s_qb + hk * s_qh + offs_k
     p_k = k_ptr + b * s_kb + hk * s_kh + offs_k
@@ -92,7 +97,7 @@ def _gdn_decode_kernel(
         if ALL_STATES:
             tl.store(p_a + t * s_at, S, mask=mkv)
     if not ALL_STATES:
-        tl.store(p_s, S, mask=live)
+        tl.store(p_s + (dest - slot) * s_sn, S, mask=live)
 
 
 def _default_bv(lanes_heads: int, Dv: int) -> int:
@@ -105,6 +110,7 @@ def fused_recurrent_gated_delta_rule(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
     state_indices: Tensor | None = None, scale: float | None = None, all_states: bool = False,
     out_states: Tensor | None = None, use_qk_l2norm: bool = False,
+    out_indices: Tensor | None = None, early_state: bool = False,
     BV: int | None = None, num_warps: int | None = None, gates: tuple | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The gated delta rule over T positions for each of B lanes, on the GPU.
@@ -116,10 +122,13 @@ def fused_recurrent_gated_delta_rule(
     `state` (float32, last axis contiguous) is [B, Hv, Dk, Dv], or with `state_indices` [B]
     (int) a slot pool [num_slots, Hv, Dk, Dv] of which lane b uses slot state_indices[b]; a
     negative index marks a padding lane (state read as zeros, nothing written). Slots of
-    live lanes must be distinct. scale defaults to Dk ** -0.5.
+    live lanes must be distinct. scale defaults to Dk ** -0.5. `out_indices` [B] (with
+    `state_indices`): lane b's new state goes to slot out_indices[b] instead of back into
+    state_indices[b] (a step whose result may be thrown away leaves its input intact).
 
     Without `all_states`: returns o [B, T, Hv, Dv] in v's dtype and writes the state after
-    the last position IN PLACE into `state` (at the lanes' slots; other slots untouched).
+    the last position IN PLACE into `state` (at the lanes' slots, or `out_indices`; other
+    slots untouched).
     With `all_states`: `state` is not modified; the state after every position goes to
     `out_states` [B, T, Hv, Dk, Dv] float32 (allocated if None, last axis contiguous) and
     (o, out_states) is returned, so a rollback to position t is `out_states[:, t]`.
@@ -127,6 +136,9 @@ def fused_recurrent_gated_delta_rule(
     `gates=(a, b, A_log, dt_bias)`: g and beta are computed here from the raw projections
     a, b [B, T, Hv] (any strides) as the model does, beta = sigmoid(b) and g = -exp(A_log)
     * softplus(a + dt_bias) (the `g`, `beta` arguments are then ignored and may be None).
+    `early_state`: the state and the indices were written before the kernels that launch
+    this one began (a decode step's slot pools: by earlier forwards, or by the host before
+    this one), so they are read before the programmatic-dependent-launch wait.
 
     Grid (cdiv(Dv, BV), B * Hv); tunables BV (a power of two; default 32, or 16 when that
     gives fewer than 264 programs) and num_warps (default 4; 8 for BV >= 64)."""
@@ -151,6 +163,8 @@ def fused_recurrent_gated_delta_rule(
             raise ValueError(f"state pool {tuple(state.shape)} / indices "
                              f"{tuple(state_indices.shape)} do not fit {(B, Hv, Dk, Dv)}")
         idx = state_indices
+        if out_indices is not None and out_indices.shape != (B,):
+            raise ValueError(f"out_indices {tuple(out_indices.shape)} do not fit {B} lanes")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     scale = Dk ** -0.5 if scale is None else float(scale)
     o = v.new_empty(B, T, Hv, Dv)
@@ -169,7 +183,8 @@ def fused_recurrent_gated_delta_rule(
     num_warps = num_warps or (8 if BV >= 64 else 4)
     grid = (triton.cdiv(Dv, BV), B * Hv)
     _gdn_decode_kernel[grid](
-        q, k, v, g, beta, o, state, idx, out_states if all_states else state,
+        q, k, v, g, beta, o, state, idx, out_indices if out_indices is not None else idx,
+        out_states if all_states else state,
         T, scale,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *g.stride(), *beta.stride(), *o.stride()[:3],
@@ -178,7 +193,7 @@ def fused_recurrent_gated_delta_rule(
         *(gates[0].stride() + gates[1].stride() if gates is not None else (0,) * 6),
         HV=Hv, R=Hv // Hk, DK=Dk, DV=Dv, BK=triton.next_power_of_2(Dk), BV=BV,
         HAS_INDEX=state_indices is not None, ALL_STATES=all_states, L2NORM=use_qk_l2norm,
-        EPS=L2_EPS, RAW_GATES=gates is not None,
+        EPS=L2_EPS, RAW_GATES=gates is not None, EARLY=early_state and not all_states,
         num_warps=num_warps, **pdl.launch(v),
     )
     return (o, out_states) if all_states else o

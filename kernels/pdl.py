@@ -10,7 +10,11 @@ round trip overlap the previous kernel's tail.
 The rule every kernel launched this way keeps: nothing read that an earlier kernel writes,
 and nothing written at all, before `wait` (a buffer written here may be one the previous
 kernel still reads: graph pools reuse memory). Waiting covers every earlier kernel, not only
-the last: the last one waited for its own predecessor before it could finish.
+the last: the last one waited for its own predecessor before it could finish. One exception: what
+only earlier forwards or the host write (a decode step's GDN slot pools) may be read
+before `wait`, because a forward begins with kernels launched without PDL (the embedding),
+which start only once everything before them has finished (`early_state` of
+`kernels.gdn_decode`).
 
 `launch(x)` gives the launch keywords for a kernel over tensor x: `PDL` (the kernel's
 constexpr: whether to emit the two instructions) and, where it applies, `launch_pdl`.

@@ -125,42 +125,45 @@ def _accumulate(acc, xv, wv, DOT: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _conv_tails(conv_ptr, slot_ptr, cw_ptr, rows, rm, ns, nm, C, s_cn, s_cc, s_cwc, s_cwk,
-                KC: tl.constexpr, KP: tl.constexpr):
+def _conv_tails(conv_ptr, slot_ptr, dest_ptr, cw_ptr, rows, rm, ns, nm, C, s_cn, s_cc, s_cwc,
+                s_cwk, KC: tl.constexpr, KP: tl.constexpr):
     """For the conv epilogue, loaded as soon as the kernel may read what others wrote (so
     their round trip overlaps the GEMM): the tails of the lanes' slots (pool [slots, C,
     KC-1], lane r at slot slot_ptr[r], negative: a padding lane, zeros) as [BM, BN, KP]
-    entries 0 .. KC-2 and again shifted by one, the conv weights [1, BN, KP], and where
-    the tails are live."""
+    entries 0 .. KC-2 and again shifted by one, the conv weights [1, BN, KP], where the
+    tails are live, and where the shifted tails go (slot dest_ptr[r]: the same slot, or
+    another that leaves the input tail intact)."""
     j = tl.arange(0, KP)[None, None, :]  # [1, 1, KP]
     slot = tl.load(slot_ptr + rows, mask=rm, other=-1).to(tl.int64)
     live = (rm[:, None] & (nm & (ns < C))[None, :] & (slot >= 0)[:, None])[:, :, None]
     tail = conv_ptr + slot[:, None, None] * s_cn + ns[None, :, None] * s_cc + j
     old = tl.load(tail, mask=live & (j < KC - 1), other=0.0)
     after = tl.load(tail + 1, mask=live & (j < KC - 2), other=0.0)  # entry j + 1
+    dest = tl.load(dest_ptr + rows, mask=rm, other=-1).to(tl.int64)
+    out = tail + (dest - slot)[:, None, None] * s_cn
     wc = tl.load(cw_ptr + ns[None, :, None] * s_cwc + j * s_cwk,
                  mask=(nm & (ns < C))[None, :, None] & (j < KC), other=0.0).to(tl.float32)
-    return old, after, wc, live, tail
+    return old, after, wc, live, out
 
 
 @triton.jit
-def _conv_epilogue(y, old, after, wc, live, tail, ns, ym, C, KC: tl.constexpr,
+def _conv_epilogue(y, old, after, wc, live, out, ns, ym, C, KC: tl.constexpr,
                    KP: tl.constexpr):
     """y [BM, BN] (x's dtype) with its columns below C replaced by the causal conv of each
     lane's tail ++ y, SiLU'd, in float32 then rounded (`kernels.conv1d`'s arithmetic), and
-    the live tails shifted by y in place (where ym: the program that finishes the sum)."""
+    the live tails shifted by y into `out` (where ym: the program that finishes the sum)."""
     j = tl.arange(0, KP)[None, None, :]
     window = tl.where(j == KC - 1, y.to(tl.float32)[:, :, None], old.to(tl.float32))
     acc = tl.sum(wc * window, axis=2)
     new_tail = tl.where(j == KC - 2, y[:, :, None].to(old.dtype), after)
     tl.debug_barrier()  # every thread's reads of the old tail land before any update
-    tl.store(tail, new_tail, mask=live & ym[:, :, None] & (j < KC - 1))
+    tl.store(out, new_tail, mask=live & ym[:, :, None] & (j < KC - 1))
     return tl.where(ym & (ns < C)[None, :], (acc * tl.sigmoid(acc)).to(y.dtype), y)
 
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cnt_ptr,
-                   conv_ptr, slot_ptr, cw_ptr,
+                   conv_ptr, slot_ptr, dest_ptr, cw_ptr,
                    M, N, K, s_x, s_w, s_y, s_r, s_z, s_zh, s_xn, eps, offset,
                    C, s_cn, s_cc, s_cwc, s_cwk,
                    PROLOGUE: tl.constexpr, HEAD: tl.constexpr, GLU: tl.constexpr,
@@ -185,8 +188,8 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
             wu1 = tl.load(w_ptrs + N * s_w, mask=nm[:, None] & km1[None, :], other=0.0)
     pdl.wait(PDL)  # from here on: reads of what earlier kernels wrote, and every write
     if CONV:
-        old, after, wc, live, tail = _conv_tails(conv_ptr, slot_ptr, cw_ptr, rows, rm, ns, nm,
-                                                 C, s_cn, s_cc, s_cwc, s_cwk, KC, KP)
+        old, after, wc, live, out = _conv_tails(conv_ptr, slot_ptr, dest_ptr, cw_ptr, rows, rm,
+                                                ns, nm, C, s_cn, s_cc, s_cwc, s_cwk, KC, KP)
     per = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK  # this program's share of K
     k_lo = pid_k * per
     k_hi = tl.minimum(k_lo + per, K)
@@ -252,7 +255,7 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
         tl.atomic_xchg(cnt_ptr + pid_n, 0, mask=count == SPLIT - 1)
     y = y.to(dt)
     if CONV:
-        y = _conv_epilogue(y, old, after, wc, live, tail, ns, ym, C, KC, KP)
+        y = _conv_epilogue(y, old, after, wc, live, out, ns, ym, C, KC, KP)
     if GLU:  # silu(g) * u, silu rounded first as torch's is
         g = y.to(tl.float32)
         y = ((g * tl.sigmoid(g)).to(dt).to(tl.float32) * y_u.to(dt).to(tl.float32)).to(dt)
@@ -286,7 +289,7 @@ def _workspace(device: torch.device, floats: int, counters: int) -> tuple[Tensor
 def _launch(x: Tensor, w: Tensor, *, prologue: int = NONE, norm_weight: Tensor | None = None,
             eps: float = 0.0, offset: float = 1.0, z: Tensor | None = None, head: int = 1,
             glu: bool = False, residual: Tensor | None = None, normed: bool = False,
-            conv: tuple[Tensor, Tensor, Tensor] | None = None,
+            conv: tuple[Tensor, ...] | None = None,
             tiles: Tiles | None = None) -> Tensor | tuple[Tensor, Tensor]:
     K = x.shape[-1]
     N = w.shape[0] // 2 if glu else w.shape[0]
@@ -311,12 +314,12 @@ def _launch(x: Tensor, w: Tensor, *, prologue: int = NONE, norm_weight: Tensor |
         t = t._replace(split=1)
     ws, cnt = ws if ws is not None else (y, y)
     if conv is not None:
-        pool, slots, cw = _conv_args(conv, M, N, glu, residual)
+        pool, slots, dests, cw = _conv_args(conv, M, N, glu, residual)
     else:
-        pool = slots = cw = y
+        pool = slots = dests = cw = y
     _skinny_kernel[(grid_n, t.split)](
         x2, w, y, r2, norm_weight if norm_weight is not None else w, z2, xn, ws, cnt,
-        pool, slots, cw,
+        pool, slots, dests, cw,
         M, N, K, x2.stride(0), w.stride(0), y.stride(0), r2.stride(0), z2.stride(0),
         z2.stride(1), xn.stride(0), eps, offset,
         cw.shape[0] if conv is not None else 0, pool.stride(0), pool.stride(1),
@@ -332,17 +335,21 @@ def _launch(x: Tensor, w: Tensor, *, prologue: int = NONE, norm_weight: Tensor |
     return (y, xn.view(x.shape)) if normed else y
 
 
-def _conv_args(conv, M: int, N: int, glu: bool, residual) -> tuple[Tensor, Tensor, Tensor]:
-    """The conv epilogue's (pool [slots, C, K-1], slots [M], weight [C, K]), checked."""
-    pool, slots, cw = conv
+def _conv_args(conv, M: int, N: int, glu: bool, residual
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The conv epilogue's (pool [slots, C, K-1], slots [M], destination slots [M],
+    weight [C, K]), checked; the destinations default to the slots."""
+    pool, slots, cw, *rest = conv
+    dests = rest[0] if rest else slots
     C, KC = cw.shape
     if glu or residual is not None or C > N or KC < 2 or slots.shape != (M,) \
+            or dests.shape != (M,) or len(rest) > 1 \
             or tuple(pool.shape[1:]) != (C, KC - 1) or pool.stride(-1) != 1:
         raise ValueError(f"the conv epilogue takes a pool [slots, C, K-1] (last axis "
                          f"contiguous), {M} slots and a weight [C <= {N}, K], without glu or "
                          f"residual; got pool {tuple(pool.shape)}, slots "
                          f"{tuple(slots.shape)}, weight {tuple(cw.shape)}")
-    return pool, slots, cw
+    return pool, slots, dests, cw
 
 
 def linear(x: Tensor, w: Tensor, residual: Tensor | None = None, *, glu: bool = False,
@@ -354,13 +361,14 @@ def linear(x: Tensor, w: Tensor, residual: Tensor | None = None, *, glu: bool = 
 
 def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, w: Tensor, *, glu: bool = False,
                 normed: bool = False, offset: float = 1.0,
-                conv: tuple[Tensor, Tensor, Tensor] | None = None,
+                conv: tuple[Tensor, ...] | None = None,
                 tiles: Tiles | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """rms_norm(x) @ w^T; `glu`: w is [gate; up] and the result silu(gate) * up; `normed`:
     (y, the normed x) is returned. `conv=(pool, slots, weight [C, K])`: y's first C
     columns go through the causal conv with SiLU of one new input per row, row r
     continuing from the tail in pool[slots[r]] ([slots, C, K-1]), which is updated in place
-    (a negative slot: zeros, not written), as `kernels.conv1d.causal_conv1d_update`."""
+    (a negative slot: zeros, not written), as `kernels.conv1d.causal_conv1d_update`;
+    `conv=(pool, slots, weight, dests)` writes the new tails to pool[dests[r]] instead."""
     return _launch(x, w, prologue=RMS, norm_weight=norm_weight, eps=eps, offset=offset,
                    glu=glu, normed=normed, conv=conv, tiles=tiles)
 

@@ -7,7 +7,8 @@ transformers + fla on the same weights, each measured in the run that reports it
 - ours: `ninfer bench engine`'s figures on the GPU (decode at batch 1/4/8 through the whole
   engine, CUDA graphs for the steps; prefill; MTP drafting as the model drafts, forced right,
   forced wrong), plus the model's own step time (a graph replay and its argmax) and a verify
-  of 4 positions against a plain step.
+  of 4 positions against a plain step; decode at batch 1 again with the graphs not running
+  the next step ahead (`ninfer.model.graphs`), the same-run "before" of that.
 - baseline: transformers' Qwen3NextForCausalLM on the same files, with fla's kernels when
   transformers binds them (reported), `generate` greedy at batch 1 and 8, and a 4K prefill.
 """
@@ -76,6 +77,18 @@ def model_steps(bench) -> dict:
     return out
 
 
+def _without_ahead(bench, run):
+    """run() with the decode graphs not running the next step ahead (the "before")."""
+    graphs = bench.om.model.graphs
+    if graphs is None:
+        return run()
+    graphs.run_ahead = False
+    try:
+        return run()
+    finally:
+        graphs.run_ahead = True
+
+
 def main(json_path: str | None = None) -> int:
     if not torch.cuda.is_available():
         print("gpu engine bench: needs a CUDA device", file=sys.stderr)
@@ -97,6 +110,8 @@ def main(json_path: str | None = None) -> int:
     for batch in (1, 4, 8):
         steps.append((f"decode_b{batch}",
                       warm(lambda batch=batch: b.decode(batch, tokens=DECODE_TOKENS))))
+    steps.append(("decode_b1_no_ahead", warm(lambda: _without_ahead(
+        b, lambda: b.decode(1, tokens=DECODE_TOKENS)))))
     steps.append(("decode_b1_4k",
                   warm(lambda: b.decode(1, tokens=DECODE_TOKENS, context=4096))))
     for drafts in (None, "accept", "reject"):
@@ -115,6 +130,8 @@ def main(json_path: str | None = None) -> int:
         row = r[f"decode_b{batch}"]
         if "tok_s" in row:
             row["roofline_fraction"] = row["tok_s"] / (batch * r["roofline_tok_s_b1"])
+    if "tok_s" in r["decode_b1"] and "tok_s" in r["decode_b1_no_ahead"]:
+        r["ahead_speedup_b1"] = r["decode_b1"]["tok_s"] / r["decode_b1_no_ahead"]["tok_s"]
     _write("engine", r, json_path)
     return 0
 

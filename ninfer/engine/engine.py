@@ -25,7 +25,7 @@ from ..lifecycle.hashing import block_hashes
 from ..lifecycle.request import Request, SamplingParams
 from ..lifecycle.salvage import Candidate
 from ..lifecycle.store import FOLD_KINDS, ContinuationStore
-from .choice import Choice, make_choice
+from .choice import Choice, GreedyChoice, make_choice
 from .model import Lane, MissingStatePart, Model
 from .pools import BlockPool, OutOfMemory, SlotPool
 from .runner import Held, ReuseMismatch, Runner
@@ -487,8 +487,11 @@ class Engine:
         lane's acceptance and commit. A lane whose parts are broken fails alone."""
         lives = [x for x in lives if x.round is not None and x.request.id in self.live]
         items = [(x.lane, [x.request.sequence[-1], *x.round[2]], x.round[0]) for x in lives]
+        # plain greedy decode: every lane that goes on feeds its greedy token next
+        ahead = self.mode.spec == "none" and all(isinstance(x.choice, GreedyChoice)
+                                                 for x in lives)
         try:
-            outs = self.runner.forward_many(items)
+            outs = self.runner.forward_many(items, ahead=ahead)
         except MissingStatePart:  # find the broken lane: one forward each
             outs = []
             for live, item in zip(lives, items, strict=True):

@@ -253,11 +253,14 @@ class Runner:
             probs.append(q)
         return drafts, probs
 
-    def forward_many(self, items: list[tuple[Lane, list[int], int]]) -> list:
-        """Verify forwards for several lanes, batched when the model can."""
+    def forward_many(self, items: list[tuple[Lane, list[int], int]], ahead: bool = False
+                     ) -> list:
+        """Verify forwards for several lanes, batched when the model can. `ahead`: each
+        lane that goes on will be fed its greedy token next (the model may start on that
+        step before this returns)."""
         batch = getattr(self.model, "forward_batch", None)
         if batch is not None:
-            outs = batch(items, per_position=True)
+            outs = batch(items, per_position=True, ahead=ahead)
         else:
             outs = [self.model.forward(lane, tokens, start) for lane, tokens, start in items]
         for lane, _, _ in items:

@@ -55,11 +55,14 @@ class SlotGDNState:
     """A GDN layer's state left where the engine keeps it: slot pools conv [S, conv_dim,
     K-1] and recurrent [S, Hv, Dk, Dv], lane b at slot `slots[b]` (negative: a padding lane).
     A one-token forward on the GPU updates it in place and returns it as the new state (no
-    copy: what a decode step and its CUDA graph need); any other forward reads a copy."""
+    copy: what a decode step and its CUDA graph need); any other forward reads a copy.
+    `dests` [B]: that forward writes lane b's new state to slot dests[b] instead, leaving
+    its input as it was (a step run ahead, whose result may be thrown away)."""
 
     conv_pool: Tensor
     rec_pool: Tensor
     slots: Tensor
+    dests: Tensor | None = None
 
     def gather(self) -> GDNState:
         return GDNState(self.conv_pool[self.slots], self.rec_pool[self.slots])
@@ -229,20 +232,24 @@ class GatedDeltaNet(nn.Module):
 
     def _step_in_place(self, x: Tensor, state: SlotGDNState, dev, norm: RMSNorm | None,
                        residual: Tensor | None) -> Tensor:
-        """One token per lane, the conv tail and recurrent matrix updated in their slots."""
+        """One token per lane, the conv tail and recurrent matrix updated in their slots (or
+        written to `state.dests`)."""
         B = x.shape[0]
+        dests = state.dests if state.dests is not None else state.slots
         Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         weight = self.conv1d.weight.squeeze(1)
         if norm is not None and skinny_for(x) is not None:
             # one row: the conv folds into the in-projection's GEMM (one launch fewer)
-            conv_out, z, b, a = self._project(x, norm, conv=(state.conv_pool, state.slots,
-                                                             weight))
+            conv_out, z, b, a = self._project(x, norm, conv=(
+                state.conv_pool, state.slots, weight, dests))
         else:
             qkv, z, b, a = self._project(x, norm)  # qkv: [B, 1, conv_dim]
             conv_out = dev.conv(qkv.transpose(1, 2), state.conv_pool, weight,
-                                activation="silu", state_indices=state.slots)[0].transpose(1, 2)
+                                activation="silu", state_indices=state.slots,
+                                out_indices=dests)[0].transpose(1, 2)
         q, k, v = conv_out.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
         o = dev.step(q.reshape(B, 1, Hk, Dk), k.reshape(B, 1, Hk, Dk), v.reshape(B, 1, Hv, Dv),
                      None, None, state.rec_pool, state_indices=state.slots, use_qk_l2norm=True,
-                     gates=(a, b, self.A_log, self.dt_bias))
+                     gates=(a, b, self.A_log, self.dt_bias), out_indices=dests,
+                     early_state=True)  # the pools were written before this forward began
         return self._out(o, z, residual)  # o: [B, 1, Hv, Dv]

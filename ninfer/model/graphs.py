@@ -1,18 +1,37 @@
-"""CUDA graphs of the one-token forward: a decode step of up to 8 lanes as one replay.
+"""CUDA graphs of the one-token forward: a decode step of up to 8 lanes as one replay,
+and the step after it launched ahead of the engine.
 
 A graph is captured per (batch size, block-table width) on first use: batch sizes 1, 2, 4,
 8 (a smaller batch is padded: padding lanes have slot -1, which the kernels neither read
 nor write, and a block table pointing at the scratch block, where their KV lands), widths
 from 64 blocks up. Inputs reach the graph through one static int64 buffer (token, position,
-slot, block table of every lane) filled with a single host-to-device copy; the GDN state is
-updated in place in the slot pools by the kernels (`SlotGDNState`), the KV is written into
-the blocks, and the logits and last hidden states come back in static outputs, which the
-caller copies before the next replay.
+slot the GDN state is read from, slot it is written to, block table of every lane) filled
+with a single host-to-device copy; the GDN state is updated in the slot pools by the
+kernels (`SlotGDNState`), the KV is written into the blocks, and the logits and last
+hidden states come back in static outputs, copied out before the next replay.
+
+Running ahead. Between two decode steps the host has work of its own (reading the greedy
+tokens, the engine's bookkeeping, the journal): with one replay at a time the GPU idles
+through it. When the caller says it will feed each lane its greedy token next (`ahead`),
+`run` launches that next step before it returns, its tokens taken from this step's argmax
+on the device, and the next `run` adopts it if it asks for exactly that step: the same
+lanes in the same order, each lane's greedy token, the next position, the same KV blocks.
+Anything else drops it. A step run ahead must leave nothing behind when it is dropped:
+- its GDN states go to the lanes' twin slots (`TorchModel.twin`); adopting it flips the
+  lanes to them, dropping it leaves the states where they were;
+- its KV lands at the next position of the lane's own blocks, past every position the lane
+  has committed: nothing reads it there, and whatever the engine launches later writes
+  over it in stream order;
+- it is launched only where that position's block is already the lane's.
+The engine writing a lane's state itself (`TorchModel._writing`) drops the step; waiting
+for the engine's work (`TorchModel.synchronize`) does not wait for it. NINFER_AHEAD=0
+turns running ahead off (the benchmark's "before").
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -22,15 +41,50 @@ from .hybrid import HybridState
 
 SIZES = (1, 2, 4, 8)
 WIDTHS = (64, 256, 1024, 4096, 16384)   # block-table columns (x block_size positions)
+RING = 3   # pinned staging buffers per graph: reused only once their step has completed
 
 
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    inputs: Tensor        # [3 * S + S * W] int64: ids, positions, slots, tables
-    host: Tensor          # its pinned twin on the host
+    S: int
+    W: int
+    inputs: Tensor        # [4 * S + S * W] int64: ids, positions, slots, dests, tables
     logits: Tensor        # [S, 1, V]
     hidden: Tensor        # [S, 1, D]
+    # pinned host twins of the inputs and of the greedy tokens, with the step that used
+    # them last (its event: the buffer is free again once it has completed)
+    staging: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    used_by: list[torch.cuda.Event | None] = field(default_factory=list)
+    turn: int = 0
+
+
+@dataclass
+class _Step:
+    """One launched replay's outputs (copies, in launch order on the stream)."""
+
+    logits: Tensor        # [B, V]
+    hidden: Tensor        # [B, D]
+    greedy_dev: Tensor    # [B] int64: the argmax, on the device
+    greedy_host: Tensor   # its pinned copy (valid once `done` has completed)
+    done: torch.cuda.Event
+
+    def greedy(self) -> list[int]:
+        self.done.synchronize()
+        return self.greedy_host[:self.logits.shape[0]].tolist()
+
+
+@dataclass
+class _Ahead:
+    """A step launched before it was asked for, and what it assumed."""
+
+    step: _Step
+    after: _Step          # the step whose greedy tokens it feeds
+    lanes: list           # the Lane objects, in order
+    slots: list[int]      # their engine slots at launch
+    starts: list[int]     # the positions it feeds
+    blocks: list[list[int]]  # each lane's blocks up to the one holding that position
+    launched: int         # the model's launch count when it went out
 
 
 class DecodeGraphs:
@@ -45,40 +99,116 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], _Captured] = {}
         self.forward = torch.compile(model.net.forward, dynamic=False) if compile \
             else model.net.forward
+        self.ahead: _Ahead | None = None
+        self.run_ahead = os.environ.get("NINFER_AHEAD", "1") != "0"  # the benchmark's "before"
+        self.adopted = self.dropped = 0   # steps run ahead, by fate (for tests and benches)
 
     @staticmethod
     def fits(lanes) -> bool:
         return len(lanes) <= SIZES[-1] and max(len(x.attn_blocks) for x in lanes) <= WIDTHS[-1]
 
-    def run(self, lanes, tokens: list[int], starts: list[int]) -> tuple[Tensor, Tensor]:
-        """Logits [B, V] and hidden states [B, D] of one token per lane (copies)."""
+    def run(self, lanes, tokens: list[int], starts: list[int], ahead: bool = False
+            ) -> tuple[Tensor, Tensor, list[int]]:
+        """Logits [B, V], hidden states [B, D] (copies) and greedy tokens of one token per
+        lane; with `ahead`, the next step is launched before this returns."""
+        pending, self.ahead = self.ahead, None
+        if pending is not None and self._asks_for(pending, lanes, tokens, starts):
+            for lane in lanes:  # its states are the lanes' states now
+                self.model.flip[lane.slot] ^= 1
+            step = pending.step
+            self.adopted += 1
+        else:
+            if pending is not None:
+                self.dropped += 1
+            step = self._launch(lanes, starts, tokens, None)
+        if ahead and self.run_ahead:
+            self._run_ahead(step, lanes, starts)
+        return step.logits, step.hidden, step.greedy()
+
+    def drop_ahead(self, slot: int | None = None) -> None:
+        """Forget the step run ahead (if it reads `slot`, when one is given)."""
+        if self.ahead is not None and (slot is None or slot in self.ahead.slots):
+            self.ahead = None
+            self.dropped += 1
+
+    def done_before_ahead(self, launched: int) -> torch.cuda.Event | None:
+        """The event that ends the engine's work when the step run ahead is the only work
+        launched after it (`launched`: the model's launch count now); None otherwise."""
+        a = self.ahead
+        return a.after.done if a is not None and a.launched == launched else None
+
+    def _asks_for(self, a: _Ahead, lanes, tokens: list[int], starts: list[int]) -> bool:
+        if len(lanes) != len(a.lanes) or starts != a.starts \
+                or any(x is not y or x.slot != s for x, y, s in zip(lanes, a.lanes, a.slots,
+                                                                     strict=True)):
+            return False
+        if tokens != a.after.greedy():
+            return False
+        return all(lane.attn_blocks[:len(b)] == b for lane, b in zip(lanes, a.blocks,
+                                                                     strict=True))
+
+    def _run_ahead(self, step: _Step, lanes, starts: list[int]) -> None:
+        bs = self.model.block_size
+        nxt = [p + 1 for p in starts]
+        if any(p // bs >= len(lane.attn_blocks) for lane, p in zip(lanes, nxt, strict=True)):
+            return  # a lane's next position needs a block the engine has not given it yet
+        dests = [self.model.twin(lane.slot) for lane in lanes]
+        ahead = self._launch(lanes, nxt, step.greedy_dev, dests)
+        self.ahead = _Ahead(ahead, step, list(lanes), [lane.slot for lane in lanes], nxt,
+                            [lane.attn_blocks[:p // bs + 1] for lane, p in
+                             zip(lanes, nxt, strict=True)], self.model.fence())
+
+    def _launch(self, lanes, starts: list[int], tokens: list[int] | Tensor,
+                dests: list[int] | None) -> _Step:
+        """Stage the inputs, replay, and copy the outputs out. `tokens` on the device are
+        copied in after the staged inputs; `dests` (None: in place) are where the GDN
+        states go."""
         B = len(lanes)
         S = next(s for s in SIZES if s >= B)
         W = next(w for w in WIDTHS if w >= max(len(x.attn_blocks) for x in lanes))
         cap = self.graphs.get((S, W)) or self._capture(S, W)
+        i = cap.turn = (cap.turn + 1) % RING
+        if cap.used_by[i] is not None:  # its last copies may still be in flight
+            cap.used_by[i].synchronize()
+        staged, greedy_host = cap.staging[i]
         # the pinned buffer written through numpy: a torch op per element costs microseconds
         # of host time, and the GPU idles for all of it
-        host = cap.host.numpy()
+        host = staged.numpy()
         host[:2 * S] = 0
-        host[2 * S:3 * S] = -1                       # padding lanes: no slot
-        tables = host[3 * S:].reshape(S, W)
+        host[2 * S:4 * S] = -1                       # padding lanes: no slot
+        tables = host[4 * S:].reshape(S, W)
         tables.fill(self.model.scratch_block)
-        for b, (lane, token, start) in enumerate(zip(lanes, tokens, starts, strict=True)):
-            host[b], host[S + b], host[2 * S + b] = token, start, lane.slot
+        at = self.model._at
+        on_host = not isinstance(tokens, Tensor)
+        for b, (lane, start) in enumerate(zip(lanes, starts, strict=True)):
+            host[S + b], host[2 * S + b] = start, at(lane.slot)
+            host[3 * S + b] = at(lane.slot) if dests is None else dests[b]
+            if on_host:
+                host[b] = tokens[b]
             tables[b, :len(lane.attn_blocks)] = lane.attn_blocks
-        cap.inputs.copy_(cap.host, non_blocking=True)
+        cap.inputs.copy_(staged, non_blocking=True)
+        if not on_host:
+            cap.inputs[:B].copy_(tokens)
         cap.graph.replay()
-        return cap.logits[:B, 0].clone(), cap.hidden[:B, 0].clone()
+        logits, hidden = cap.logits[:B, 0].clone(), cap.hidden[:B, 0].clone()
+        greedy = logits.argmax(-1)
+        greedy_host[:B].copy_(greedy, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        cap.used_by[i] = done
+        return _Step(logits, hidden, greedy, greedy_host, done)
 
     def _capture(self, S: int, W: int) -> _Captured:
         m = self.model
-        inputs = torch.zeros(3 * S + S * W, dtype=torch.long, device=m.device)
+        inputs = torch.zeros(4 * S + S * W, dtype=torch.long, device=m.device)
         ids, positions = inputs[:S].view(S, 1), inputs[S:2 * S].view(S, 1)
-        slots, tables = inputs[2 * S:3 * S], inputs[3 * S:].view(S, W)
+        slots, dests = inputs[2 * S:3 * S], inputs[3 * S:4 * S]
+        tables = inputs[4 * S:].view(S, W)
         slots.fill_(-1)
+        dests.fill_(-1)
         tables.fill_(m.scratch_block)
         from .torch_model import PagedKV
-        gdn = {i: SlotGDNState(m.conv[i], m.recurrent[i], slots) for i in m.conv}
+        gdn = {i: SlotGDNState(m.conv[i], m.recurrent[i], slots, dests) for i in m.conv}
 
         def forward():
             return self.forward(ids, positions, HybridState(gdn, PagedKV(
@@ -93,7 +223,10 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
             out = forward()
-        cap = _Captured(graph, inputs, torch.zeros_like(inputs, device="cpu").pin_memory(),
-                        out.logits, out.hidden)
+        cap = _Captured(graph, S, W, inputs, out.logits, out.hidden)
+        for _ in range(RING):
+            cap.staging.append((torch.zeros_like(inputs, device="cpu").pin_memory(),
+                                torch.zeros(S, dtype=torch.long).pin_memory()))
+            cap.used_by.append(None)
         self.graphs[(S, W)] = cap
         return cap

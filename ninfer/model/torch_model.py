@@ -145,19 +145,39 @@ class TorchModel:
 
         self.kv_k, self.kv_v = blocks(c.attention_layers)
         self.mtp_k, self.mtp_v = blocks(range(c.mtp_num_hidden_layers) if net.has_mtp else ())
-        self.conv = {i: self._zeros((num_slots, c.conv_dim, c.linear_conv_kernel_dim - 1))
+        graphs = self.device.type == "cuda" and device_kernels() is not None and not any(
+            c.is_moe_layer(i) for i in range(c.num_hidden_layers))
+        # with decode graphs each slot has a twin: a step run ahead of the engine writes
+        # the state it makes there, and `flip[slot]` says which of the two holds the slot's
+        # state (`_at`): adopting the step flips it, dropping it leaves the state as it was
+        self.num_slots = num_slots
+        self.flip = [0] * num_slots
+        pool = 2 * num_slots if graphs else num_slots
+        self.conv = {i: self._zeros((pool, c.conv_dim, c.linear_conv_kernel_dim - 1))
                      for i in c.linear_layers}
-        self.recurrent = {i: self._zeros((num_slots, c.linear_num_value_heads,
+        self.recurrent = {i: self._zeros((pool, c.linear_num_value_heads,
                                           c.linear_key_head_dim, c.linear_value_head_dim),
                                          state_dtype(self.dtype)) for i in c.linear_layers}
         self.hidden = self._zeros((num_slots, c.hidden_size))
         self.hidden_valid = [False] * num_slots
         self._launched = self._completed = 0
         self.graphs = None
-        if self.device.type == "cuda" and device_kernels() is not None and not any(
-                c.is_moe_layer(i) for i in range(c.num_hidden_layers)):
+        if graphs:
             from .graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self)
+
+    def _at(self, slot: int) -> int:
+        """Where the GDN state of engine slot `slot` is in the pools (it or its twin)."""
+        return slot + self.flip[slot] * self.num_slots
+
+    def twin(self, slot: int) -> int:
+        """The other of the slot's two places: where a step run ahead writes its state."""
+        return slot + (1 - self.flip[slot]) * self.num_slots
+
+    def _writing(self, slot: int) -> None:
+        """The engine writes `slot`'s state: a step run ahead from it is stale."""
+        if self.graphs is not None:
+            self.graphs.drop_ahead(slot)
 
     def _zeros(self, shape, dtype=None) -> Tensor:
         return torch.zeros(shape, dtype=dtype or self.dtype, device=self.device)
@@ -165,7 +185,7 @@ class TorchModel:
     # --- the forward --------------------------------------------------------------------
 
     def _state(self, slots: Sequence[int], tables) -> HybridState:
-        idx = torch.tensor(list(slots), device=self.device)
+        idx = torch.tensor([self._at(s) for s in slots], device=self.device)
         if kernels_for(self.hidden) is not None:  # left in the pools: a step updates them
             gdn = {i: SlotGDNState(self.conv[i], self.recurrent[i], idx) for i in self.conv}
         else:
@@ -178,22 +198,27 @@ class TorchModel:
 
     @torch.inference_mode()
     def forward_batch(self, items: Sequence[tuple[Lane, Sequence[int], int]],
-                      per_position: bool = True) -> list[Forward]:
+                      per_position: bool = True, ahead: bool = False) -> list[Forward]:
         """Several lanes' forwards; lanes feeding the same number of tokens share one batched
         call (decode and verify rounds of equal length). `per_position` keeps the recurrent
         state after every position (a verify's rollback is then a pick); a prefill keeps only
-        the last, and takes the chunked GDN path."""
+        the last, and takes the chunked GDN path. `ahead`: the caller will feed each lane
+        its greedy token next if the lane goes on, so a one-token graph step launches the
+        next step before returning (`DecodeGraphs.run`)."""
         results: list[Forward | None] = [None] * len(items)
         groups: dict[int, list[int]] = {}
         for index, (_, tokens, _) in enumerate(items):
             groups.setdefault(len(tokens), []).append(index)
+        if self.graphs is not None and not (set(groups) == {1} and self.graphs.fits(
+                [lane for lane, _, _ in items])):
+            self.graphs.drop_ahead()  # these forwards write the lanes' state themselves
         for n, members in groups.items():
             lanes = [items[m][0] for m in members]
             if n == 1 and self.graphs is not None and self.graphs.fits(lanes):
                 self._launched += 1
-                logits, hidden = self.graphs.run(lanes, [items[m][1][0] for m in members],
-                                                 [items[m][2] for m in members])
-                greedy = logits.argmax(-1).tolist()
+                logits, hidden, greedy = self.graphs.run(
+                    lanes, [items[m][1][0] for m in members], [items[m][2] for m in members],
+                    ahead=ahead)
                 for row, m in enumerate(members):
                     results[m] = Forward([greedy[row]], [hidden[row]], _InPlace(),
                                          logits[row:row + 1])
@@ -216,6 +241,8 @@ class TorchModel:
             self._set_hidden(lane.slot, hidden)
             return
         out, row, i = state
+        self._writing(lane.slot)
+        at = self._at(lane.slot)
         for layer in self.conv:
             if out.states is not None:
                 conv, rec = out.states[layer].conv[row, i], out.states[layer].recurrent[row, i]
@@ -224,8 +251,8 @@ class TorchModel:
                 if isinstance(gdn, SlotGDNState):
                     continue  # a one-token step on the GPU updated the slot in place
                 conv, rec = gdn.conv[row], gdn.recurrent[row]
-            self.conv[layer][lane.slot] = conv
-            self.recurrent[layer][lane.slot] = rec
+            self.conv[layer][at] = conv
+            self.recurrent[layer][at] = rec
         self._set_hidden(lane.slot, hidden)
 
     def _set_hidden(self, slot: int, hidden: Tensor | None) -> None:
@@ -234,9 +261,10 @@ class TorchModel:
             self.hidden[slot] = hidden
 
     def init_slot(self, lane: Lane) -> None:
+        self._writing(lane.slot)
         for layer in self.conv:
-            self.conv[layer][lane.slot] = 0
-            self.recurrent[layer][lane.slot] = 0
+            self.conv[layer][self._at(lane.slot)] = 0
+            self.recurrent[layer][self._at(lane.slot)] = 0
         self.hidden_valid[lane.slot] = False
 
     def load_hidden(self, slot: int) -> Tensor | None:
@@ -272,9 +300,10 @@ class TorchModel:
 
     def copy_slot(self, src: int, dst: int) -> None:
         self._launched += 1
+        self._writing(dst)
         for layer in self.conv:
-            self.conv[layer][dst] = self.conv[layer][src]
-            self.recurrent[layer][dst] = self.recurrent[layer][src]
+            self.conv[layer][self._at(dst)] = self.conv[layer][self._at(src)]
+            self.recurrent[layer][self._at(dst)] = self.recurrent[layer][self._at(src)]
         self.hidden[dst] = self.hidden[src]
         self.hidden_valid[dst] = self.hidden_valid[src]
 
@@ -300,8 +329,8 @@ class TorchModel:
                 for layer, t in self._positions(store, blocks, n).items():
                     out[f"{name}.{layer}"] = t
         for layer in self.conv:
-            out[f"conv.{layer}"] = self.conv[layer][held.slot].clone()
-            out[f"recurrent.{layer}"] = self.recurrent[layer][held.slot].clone()
+            out[f"conv.{layer}"] = self.conv[layer][self._at(held.slot)].clone()
+            out[f"recurrent.{layer}"] = self.recurrent[layer][self._at(held.slot)].clone()
         if self.hidden_valid[held.slot]:
             out["hidden"] = self.hidden[held.slot].clone()
         return out
@@ -321,9 +350,11 @@ class TorchModel:
                 padded[:src.shape[0]] = src.to(t.device, t.dtype)
                 t[torch.tensor(blocks, dtype=torch.long, device=self.device)] = padded.view(
                     len(blocks), bs, *t.shape[2:])
+        self._writing(held.slot)
         for layer in self.conv:
-            self.conv[layer][held.slot] = parts[f"conv.{layer}"].to(self.device)
-            self.recurrent[layer][held.slot] = parts[f"recurrent.{layer}"].to(self.device)
+            self.conv[layer][self._at(held.slot)] = parts[f"conv.{layer}"].to(self.device)
+            self.recurrent[layer][self._at(held.slot)] = parts[f"recurrent.{layer}"].to(
+                self.device)
         self._set_hidden(held.slot, parts["hidden"].to(self.device) if "hidden" in parts
                          else None)
 
@@ -334,8 +365,14 @@ class TorchModel:
         return marker <= self._completed
 
     def synchronize(self) -> None:
+        """Wait for the engine's work: all of it, but not a step run ahead that nothing
+        the engine launched since has to wait for (the GPU goes on with it meanwhile)."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            done = self.graphs.done_before_ahead(self._launched) if self.graphs else None
+            if done is not None:
+                done.synchronize()
+            else:
+                torch.cuda.synchronize(self.device)
         self._completed = self._launched
 
     # --- exactness ----------------------------------------------------------------------
@@ -348,8 +385,8 @@ class TorchModel:
             mkv = PagedKV(self.mtp_k, self.mtp_v, self.block_size, [lane.mtp_blocks])
             mtp = tuple(t for i in self.mtp_k for t in mkv.read(i, mtp_kv))
         recurrent = tuple(t for i in self.conv
-                          for t in (self.conv[i][lane.slot][None],
-                                    self.recurrent[i][lane.slot][None]))
+                          for t in (self.conv[i][self._at(lane.slot)][None],
+                                    self.recurrent[i][self._at(lane.slot)][None]))
         return Parts(attn, recurrent, mtp, self.load_hidden(lane.slot))
 
     @torch.inference_mode()

@@ -90,6 +90,28 @@ def test_gdn_slots_in_place(dtype, T):
     assert _far(o, o_wrong, OUT_TOL[dtype])
 
 
+def test_gdn_step_to_destination_slots_leaves_its_inputs():
+    """A step run ahead of the engine writes the new states to other slots (out_indices):
+    its input slots keep the old states, the destinations get what the in-place step would
+    have written, and every other slot is untouched."""
+    B, T, Hk, Hv, Dk, Dv = 2, 1, 2, 4, 16, 32
+    q, k, v, g, beta = _gdn_inputs(10, B, T, Hk, Hv, Dk, Dv, torch.float32)
+    pool, buffer = _slot_pool(11, 6, (Hv, Dk, Dv))
+    before = buffer.clone()
+    idx, dests = torch.tensor([4, 1], device=DEV), torch.tensor([0, 5], device=DEV)
+    o_ref, s_ref = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=pool[idx])
+    o = fused_recurrent_gated_delta_rule(q, k, v, g, beta, pool, state_indices=idx,
+                                         out_indices=dests, BV=16)
+    torch.testing.assert_close(o, o_ref, **OUT_TOL[torch.float32])
+    torch.testing.assert_close(pool[dests], s_ref, **STATE_TOL)
+    assert torch.equal(pool[idx], before[1::2][idx])
+    assert torch.equal(pool[[2, 3]], before[1::2][[2, 3]])
+    assert _far(pool[dests], before[1::2][dests], STATE_TOL)
+    with pytest.raises(ValueError, match="out_indices"):
+        fused_recurrent_gated_delta_rule(q, k, v, g, beta, pool, state_indices=idx,
+                                         out_indices=dests[:1])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gdn_all_states_per_position(dtype):
     B, T, Hk, Hv, Dk, Dv = 2, 4, 1, 2, 16, 32
@@ -170,6 +192,25 @@ def test_conv_slots_in_place(dtype, T):
     y_no_tail, _ = conv_reference(x, torch.zeros_like(pool[idx]), weight, bias)
     assert _far(y, y_no_tail, OUT_TOL[dtype])  # the old tail matters to the check
     assert not torch.equal(pool[idx], before[1::2][idx])
+
+
+def test_conv_to_destination_slots_leaves_its_inputs():
+    """out_indices: the new tails go to other slots; the input tails stay as they were."""
+    B, C, K = 2, 40, 4
+    x, weight, bias = _conv_inputs(12, B, C, 1, K, torch.float32)
+    pool, buffer = _slot_pool(13, 5, (C, K - 1))
+    before = buffer.clone()
+    idx, dests = torch.tensor([3, 0], device=DEV), torch.tensor([1, 4], device=DEV)
+    y_ref, tail_ref = conv_reference(x, pool[idx], weight, bias)
+    y, tail = causal_conv1d_update(x, pool, weight, bias, state_indices=idx,
+                                   out_indices=dests, BC=16)
+    torch.testing.assert_close(y, y_ref, **OUT_TOL[torch.float32])
+    assert torch.equal(pool[dests], tail_ref) and torch.equal(tail, tail_ref)
+    assert torch.equal(pool[idx], before[1::2][idx])
+    assert torch.equal(pool[2], before[1::2][2])
+    assert not torch.equal(pool[dests], before[1::2][dests])
+    with pytest.raises(ValueError, match="out_indices"):
+        causal_conv1d_update(x, pool[:2], weight, out_indices=dests)
 
 
 @pytest.mark.parametrize("T", [2, 4])

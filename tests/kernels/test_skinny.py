@@ -172,6 +172,26 @@ def test_conv_epilogue_equals_the_projection_then_the_conv_kernel_reference(rows
     _workspace_is_clean()
 
 
+@pytest.mark.parametrize("tiles", [None, Tiles(16, 32, split=3)])
+def test_conv_epilogue_writes_the_new_tails_to_their_destinations(tiles):
+    """conv=(pool, slots, weight, dests): each row's tail is read from its slot and the
+    shifted tail written to its destination; the input slots keep their tails."""
+    C, KC, dtype = 24, 4, torch.float32
+    x = _randn(3, 1, K, dtype=dtype, scale=3.0)
+    nw, w = _randn(K, dtype=dtype, scale=0.1), _randn(N, K, dtype=dtype, scale=K ** -0.5)
+    cw, pool = _randn(C, KC, dtype=dtype, scale=0.5), _randn(7, C, KC - 1, dtype=dtype)
+    slots, dests = (torch.tensor(t, device=DEVICE) for t in ([4, -1, 1], [0, -1, 6]))
+    before = pool.clone()
+    in_place = pool.clone()
+    want = skinny.norm_linear(x, nw, 1e-6, w, conv=(in_place, slots, cw), tiles=tiles)
+    got = skinny.norm_linear(x, nw, 1e-6, w, conv=(pool, slots, cw, dests), tiles=tiles)
+    _close(got, want, dtype)  # (split-K adds in whatever order the programs arrive)
+    _close(pool[[0, 6]], in_place[[4, 1]], dtype)  # what the in-place call wrote
+    assert torch.equal(pool[[1, 2, 3, 4, 5]], before[[1, 2, 3, 4, 5]])
+    assert not torch.equal(pool[[0, 6]], before[[0, 6]])
+    _workspace_is_clean()
+
+
 def test_conv_epilogue_refuses_what_it_cannot_fold():
     x = _randn(1, K, dtype=torch.float32)
     w = _randn(2 * N, K, dtype=torch.float32)
@@ -182,3 +202,6 @@ def test_conv_epilogue_refuses_what_it_cannot_fold():
     with pytest.raises(ValueError, match="conv epilogue"):
         skinny.norm_linear(x, _randn(K, dtype=torch.float32), 1e-6, w,
                            conv=(conv[0], torch.tensor([0, 1], device=DEVICE), conv[2]))
+    with pytest.raises(ValueError, match="conv epilogue"):  # destinations for every row
+        skinny.norm_linear(x, _randn(K, dtype=torch.float32), 1e-6, w[:N],
+                           conv=(*conv, torch.tensor([0, 1], device=DEVICE)))

@@ -48,3 +48,45 @@ def test_decode_on_cuda_equals_the_reference(spec, graphs):
     h.run()
     h.check()
     assert h.request(again).plan.kind == "PrivateEndpoint"
+
+
+
+def test_a_step_run_ahead_is_taken_only_when_asked_for_and_leaves_nothing_when_dropped():
+    """Two models on the same weights, fed the same tokens one step at a time: one runs
+    each next step ahead (`ahead=True`), the other does not. Where the next step is the
+    greedy one the step run ahead is adopted; where it is not (another token, the lanes in
+    another order, the engine writing a lane's slot) it is dropped. Logits and every state
+    part agree throughout: a dropped step left nothing behind, an adopted one was the step
+    asked for."""
+    from ninfer.engine.model import Lane
+    make = _factory(True)
+    fast, plain = make(16, 16, 4), make(16, 16, 4)
+    lanes = {m: [Lane(slot=s, attn_blocks=[4 * s + j for j in range(4)]) for s in (1, 2)]
+             for m in (fast, plain)}
+    for m in (fast, plain):
+        for lane in lanes[m]:
+            m.init_slot(lane)
+    tokens, pos = [3, 5], 0
+    for step in range(40):
+        order = [1, 0] if step % 7 == 3 else [0, 1]  # another batch: the lanes swapped
+        outs = {}
+        for m in (fast, plain):
+            items = [(lanes[m][i], [tokens[i]], pos) for i in order]
+            got = m.forward_batch(items, ahead=m is fast)
+            outs[m] = [got[order.index(i)] for i in (0, 1)]
+            for lane, out in zip(lanes[m], outs[m], strict=True):
+                m.accept(lane, out.states[0])
+        for a, b in zip(outs[fast], outs[plain], strict=True):
+            torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=1e-4)
+            assert a.greedy == b.greedy
+        # greedy most steps; every fifth step tokens of our own, which no step ahead fed
+        tokens = [(o.greedy[0] + (step % 5 == 4)) % 97 for o in outs[plain]]
+        pos += 1
+        if step == 20:  # the engine writes a lane's slot: a step ahead from it is stale
+            for m in (fast, plain):
+                m.copy_slot(lanes[m][1].slot, lanes[m][0].slot)
+    for lf, lp in zip(lanes[fast], lanes[plain], strict=True):
+        assert fast.parts_match(fast.read_parts(lf, pos, 0), plain.read_parts(lp, pos, 0)) \
+            is None
+    assert (fast.graphs.adopted, fast.graphs.dropped) == (21, 18)  # counted from the loop
+    assert plain.graphs.adopted == plain.graphs.dropped == 0
