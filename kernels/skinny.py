@@ -187,6 +187,9 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
         if GLU:  # the up row n sits N rows below the gate row n
             wu1 = tl.load(w_ptrs + N * s_w, mask=nm[:, None] & km1[None, :], other=0.0)
     pdl.wait(PDL)  # from here on: reads of what earlier kernels wrote, and every write
+    ym = rm[:, None] & nm[None, :]
+    if RESIDUAL and SPLIT == 1:  # issued now, its round trip overlaps the GEMM's
+        r = tl.load(r_ptr + rows[:, None] * s_r + ns[None, :], mask=ym, other=0.0)
     if CONV:
         old, after, wc, live, out = _conv_tails(conv_ptr, slot_ptr, dest_ptr, cw_ptr, rows, rm,
                                                 ns, nm, C, s_cn, s_cc, s_cwc, s_cwk, KC, KP)
@@ -236,7 +239,6 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
         y = tl.sum(acc, axis=1)[None, :]  # [1, BN]
         if GLU:
             y_u = tl.sum(acc_u, axis=1)[None, :]
-    ym = rm[:, None] & nm[None, :]
     if SPLIT > 1:  # add into the workspace; the last program of this column block goes on
         ws = ws_ptr + rows[:, None] * N + ns[None, :]
         tl.atomic_add(ws, y, mask=ym)
@@ -260,7 +262,8 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
         g = y.to(tl.float32)
         y = ((g * tl.sigmoid(g)).to(dt).to(tl.float32) * y_u.to(dt).to(tl.float32)).to(dt)
     if RESIDUAL:
-        r = tl.load(r_ptr + rows[:, None] * s_r + ns[None, :], mask=ym, other=0.0)
+        if SPLIT > 1:  # only the program that finishes the sum reads it
+            r = tl.load(r_ptr + rows[:, None] * s_r + ns[None, :], mask=ym, other=0.0)
         y = (r.to(tl.float32) + y.to(tl.float32)).to(dt)
     tl.store(y_ptr + rows[:, None] * s_y + ns[None, :], y, mask=ym)
 

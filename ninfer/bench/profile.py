@@ -5,7 +5,8 @@ kernel by kernel, to choose the next kernel to write.
   launch (`kernels.pdl`) and again without it: the replay time by CUDA events, and per
   kernel name the launches and the device time per replay (torch.profiler). With PDL the
   kernels overlap, so their times add up to more than the replay: a kernel's time then
-  includes the wait for the one before.
+  includes the wait for the one before; so each kernel is also charged the time by which
+  it moves the end of the replay's chain (`critical_path`), which adds up to the replay.
 - prefill: the GDN chunked prefill at T = 4K and 16K (bench_kernels' shapes), ours and
   fla's, per stage kernel.
 """
@@ -43,6 +44,41 @@ def kernel_table(run, reps: int) -> tuple[int, list[dict]]:
     return round(sum(r["launches"] for r in rows)), rows
 
 
+def critical_path(run, reps: int = 5) -> dict:
+    """Where the chain of one run() spends its time: each kernel is charged the time by
+    which it moves the end of the chain (its end minus the latest end before it), so the
+    charges add up to the run's span even when kernels overlap (PDL). Per kernel name the
+    charged microseconds per run, and the sequence of charges over the first
+    `SEQUENCE` kernels of the last run (one layer pattern and more, in launch order)."""
+    from torch.profiler import ProfilerActivity, profile
+    spans = []
+    for _ in range(reps):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        kernels = sorted((e.time_range.start, e.time_range.end, e.name[:60])
+                         for e in prof.events()
+                         if e.device_type == torch.autograd.DeviceType.CUDA)
+        spans.append(kernels)
+    per_name: dict[str, float] = defaultdict(float)
+    sequence = []
+    for kernels in spans:
+        sequence = []
+        end = kernels[0][0]
+        for start, stop, name in kernels:
+            charge = max(stop - max(end, start), 0.0) + max(start - end, 0.0)
+            per_name[name] += charge / reps
+            sequence.append((name, round(charge, 2), round(stop - start, 2)))
+            end = max(end, stop)
+    rows = sorted(({"kernel": k, "charged_us": v} for k, v in per_name.items()),
+                  key=lambda r: -r["charged_us"])
+    return {"span_us": sum(r["charged_us"] for r in rows), "kernels": rows,
+            "sequence": sequence[:SEQUENCE]}
+
+
+SEQUENCE = 40
+
+
 def decode() -> dict:
     from ..engine.model import Lane
     from ..model.graphs import DecodeGraphs
@@ -59,7 +95,8 @@ def decode() -> dict:
             graph = m.graphs.graphs[(B, 64)].graph
             launches, rows = kernel_table(graph.replay, REPLAYS)
             out[f"b{B}_pdl{pdl}"] = {"replay_us": _events_us(graph.replay, REPLAYS),
-                                     "launches": launches, "kernels": rows}
+                                     "launches": launches, "kernels": rows,
+                                     "critical_path": critical_path(graph.replay)}
     os.environ.pop("NINFER_PDL")
     return out
 
@@ -102,6 +139,13 @@ def main(json_path: str | None = None) -> int:
             for k in row["kernels"][:12]:
                 print(f"  {k['us']:9.1f} us {k['launches']:6.1f}x  {k['kernel']}",
                       file=sys.stderr)
+            path = row.get("critical_path")
+            if path:
+                print(f"  critical path {path['span_us']:.1f} us:", file=sys.stderr)
+                for k in path["kernels"][:12]:
+                    print(f"  {k['charged_us']:9.1f} us  {k['kernel']}", file=sys.stderr)
+                print("  sequence (charged, duration): " + ", ".join(
+                    f"{n[:12]} {c}/{d}" for n, c, d in path["sequence"]), file=sys.stderr)
     write_line({"bench": "profile", "results": r}, json_path)
     return 0
 
