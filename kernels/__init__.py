@@ -16,14 +16,17 @@ from .gdn_reference import (
 @functools.cache
 def device_kernels() -> SimpleNamespace | None:
     """The Triton kernels (conv, chunk, step, attention and its prologue with the KV write,
-    the fused elementwise ones and the skinny GEMMs with their prologues and epilogues), or
-    None where Triton is missing.
+    the attention layer's whole mixer for one new token, the fused elementwise ones, the
+    skinny GEMMs with their prologues and epilogues, the greedy keys and a decode graph's
+    first kernel), or None where Triton is missing.
     Callers use them for CUDA tensors only (on the CPU they run only in the interpreter)."""
     try:
         from . import fused, skinny
         from .conv1d import causal_conv1d_update as conv
+        from .decode_attention import decode_attention
         from .gdn_chunk import chunk_gated_delta_rule as chunk
         from .gdn_decode import fused_recurrent_gated_delta_rule as step
+        from .greedy import decode_start, greedy_keys
         from .kv_write import attention_prologue
         from .paged_attention import paged_attention_decode as attention
     except ImportError:
@@ -35,7 +38,8 @@ def device_kernels() -> SimpleNamespace | None:
                            norm_linear=skinny.norm_linear,
                            gated_norm_linear=skinny.gated_norm_linear,
                            gate_linear=skinny.gate_linear,
-                           attention_prologue=attention_prologue)
+                           attention_prologue=attention_prologue, greedy_keys=greedy_keys,
+                           decode_start=decode_start, decode_attention=decode_attention)
 
 
 # Tests set this (with TRITON_INTERPRET=1) to run the model's kernel paths on CPU tensors

@@ -29,6 +29,27 @@ def _normed(x, w_ptr, cols, m, inv, offset, dt: tl.constexpr):
 
 
 @triton.jit
+def norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, cols, m, eps, offset, D: tl.constexpr,
+              R: tl.constexpr, dt: tl.constexpr):
+    """Heads normed and rotated, rounded where the torch chain rounds: x_ptr points at
+    channel 0 of one head (a scalar pointer: [BD] back) or of several ([N, 1]: [N, BD]);
+    cols [BD] the channels (m: those below D); cos_ptr / sin_ptr the position's [R] angles."""
+    x = tl.load(x_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, axis=-1, keep_dims=True) / D + eps)
+    normed = _normed(x, w_ptr, cols, m, inv, offset, dt)
+    rot = cols < R
+    half: tl.constexpr = R // 2
+    partner = tl.where(cols < half, cols + half, cols - half)
+    x_partner = tl.load(x_ptr + partner, mask=rot, other=0.0).to(tl.float32)
+    other = _normed(x_partner, w_ptr, partner, rot, inv, offset, dt).to(tl.float32)
+    other = tl.where(cols < half, -other, other)  # rotate_half: [-x2, x1]
+    c = tl.load(cos_ptr + cols, mask=rot, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + cols, mask=rot, other=0.0).to(tl.float32)
+    a = (normed.to(tl.float32) * c).to(dt).to(tl.float32)
+    return tl.where(rot, (a + (other * s).to(dt).to(tl.float32)).to(dt), normed)
+
+
+@triton.jit
 def _prologue_kernel(y_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out, k_cache, v_cache,
                      bt_ptr, pos_ptr, T, eps, offset,
                      s_yb, s_yt, s_qb, s_qt, s_qh, s_cb, s_ct, s_kn, s_kp, s_kh,
@@ -58,19 +79,8 @@ def _prologue_kernel(y_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out, k_cache, v_
         else:
             x_ptr = row + 2 * H * D + (head - H) * D
             w_ptr = kw_ptr
-        x = tl.load(x_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-        normed = _normed(x, w_ptr, cols, m, inv, offset, dt)
-        rot = cols < R
-        half: tl.constexpr = R // 2
-        partner = tl.where(cols < half, cols + half, cols - half)
-        x_partner = tl.load(x_ptr + partner, mask=rot, other=0.0).to(tl.float32)
-        other = _normed(x_partner, w_ptr, partner, rot, inv, offset, dt).to(tl.float32)
-        other = tl.where(cols < half, -other, other)  # rotate_half: [-x2, x1]
-        c = tl.load(cos_ptr + b * s_cb + t * s_ct + cols, mask=rot, other=0.0).to(tl.float32)
-        s = tl.load(sin_ptr + b * s_cb + t * s_ct + cols, mask=rot, other=0.0).to(tl.float32)
-        a = (normed.to(tl.float32) * c).to(dt).to(tl.float32)
-        y = tl.where(rot, (a + (other * s).to(dt).to(tl.float32)).to(dt), normed)
+        y = norm_rope(x_ptr, w_ptr, cos_ptr + b * s_cb + t * s_ct, sin_ptr + b * s_cb + t * s_ct,
+                      cols, m, eps, offset, D, R, dt)
         if head < H:
             tl.store(q_out + b * s_qb + t * s_qt + head * s_qh + cols, y, mask=m)
         else:

@@ -208,14 +208,23 @@ def paged_attention_decode(
         num_warps=num_warps, num_stages=num_stages, **pdl.launch(q),
     )
     if splits > 1:
-        BS = triton.next_power_of_2(splits)
-        BDM = max(16, min(BD, 8192 // BS))  # a [BS, BDM] float32 tile: <= 64 registers a thread
-        _paged_attn_merge_kernel[(B * T, Hq, triton.cdiv(D, BDM))](
-            out, part_o, part_l, T,
-            *out.stride()[:3], *p_strides, *l_strides,
-            D=D, BDM=BDM, SPLITS=splits, BS=BS, num_warps=4, **pdl.launch(q),
-        )
+        merge_splits(out, part_o, part_l, p_strides, l_strides, splits)
     return out
+
+
+def merge_splits(out: Tensor, part_o: Tensor, part_l: Tensor, p_strides, l_strides,
+                 splits: int) -> None:
+    """out [B, T, Hq, D] from the splits' parts: part_o [B, T, Hq, splits, D] (each split's
+    output, normalised by its own sum) and part_l [B, T, Hq, splits] (their log-sum-exp in
+    log2 units), weighted by exp2(lse - max); p_strides / l_strides: their first 4 / 3."""
+    B, T, Hq, D = out.shape
+    BS = triton.next_power_of_2(splits)
+    BDM = max(16, min(triton.next_power_of_2(D), 8192 // BS))  # [BS, BDM] fp32: <= 64 regs
+    _paged_attn_merge_kernel[(B * T, Hq, triton.cdiv(D, BDM))](
+        out, part_o, part_l, T,
+        *out.stride()[:3], *p_strides, *l_strides,
+        D=D, BDM=BDM, SPLITS=splits, BS=BS, num_warps=4, **pdl.launch(out),
+    )
 
 
 def paged_attention_reference(

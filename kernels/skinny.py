@@ -22,9 +22,10 @@ that torch computes in it), so the result is that chain's up to the GEMM's summa
   gate (`fused.sigmoid_mul`). z is addressed per head (row stride, head stride), so it can
   be a view into the packed in-projection's output.
 - epilogue: `glu` (W holds [gate; up], 2N rows: y = silu(x Wg^T) * (x Wu^T)),
-  `residual` (y = r + y), and `conv`: the GDN in-projection's depthwise causal conv (SiLU)
-  over its first C columns, each lane's saved tail read from and shifted in its slot of the
-  conv pool (`kernels.conv1d`'s arithmetic). Every (lane, channel) belongs to one program,
+  `residual` (y = r + y), `argmax` (each row's greedy key, `kernels.greedy`), and `conv`:
+  the GDN in-projection's depthwise causal conv (SiLU) over its first C columns, each
+  lane's saved tail read from and shifted in its slot of the conv pool (`kernels.conv1d`'s
+  arithmetic). Every (lane, channel) belongs to one program,
   so the tail's read and its update cannot race, which a separate conv kernel fused into
   the GDN step could not say.
 """
@@ -41,6 +42,7 @@ from torch import Tensor
 
 from . import pdl
 from .fused import _rows
+from .greedy import KEY_NONE_C, key_of
 
 NONE, RMS, GATED, SIGMOID = 0, 1, 2, 3
 MAX_ROWS = 8
@@ -71,8 +73,11 @@ def tiles_for(M: int, N: int, K: int, glu: bool, device: torch.device) -> Tiles:
         return Tiles(min(64, triton.next_power_of_2(N)), triton.next_power_of_2(K),
                      dot=M > 1)
     if M == 1:  # the H200 sweep's best for anchor-1b's shapes (bench/results/skinny-h200.json)
-        if N <= 2048 and K <= 4096:  # back to the hidden size: 2 columns a program, all of K
-            return Tiles(2, triton.next_power_of_2(K), 4 if K <= 2048 else 8)
+        if N <= 2048 and K <= 2048:  # back to the hidden size from 2K: 4 columns, 8 warps
+            # (timed in the whole batch-1 decode graph: 524 against 531 us with 2 and 4)
+            return Tiles(4, triton.next_power_of_2(K), 8)
+        if N <= 2048 and K <= 4096:  # from 3-4K: 2 columns a program, all of K
+            return Tiles(2, triton.next_power_of_2(K), 8)
         if K <= 1024:  # the in-projections and the LM head: all of K in one step
             return Tiles(4 if glu else 8, triton.next_power_of_2(K), 4)
         return Tiles(4 if glu else 8, 512, 4)
@@ -82,14 +87,29 @@ def tiles_for(M: int, N: int, K: int, glu: bool, device: torch.device) -> Tiles:
 
 
 @triton.jit
-def _x_tile(x_ptr, nw_ptr, z_ptr, xn_ptr, rows, rm, ks, km, pid_n, s_x, s_z, s_zh, s_xn, eps,
-            offset, inv, dt: tl.constexpr, PROLOGUE: tl.constexpr, HEAD: tl.constexpr,
-            BM: tl.constexpr, BK: tl.constexpr, NORMED: tl.constexpr):
-    """Columns ks of the GEMM's left operand: x's rows with the prologue applied."""
+def _norm_weights(nw_ptr, ks, km, PROLOGUE: tl.constexpr, HEAD: tl.constexpr):
+    """The prologue's norm weights for columns ks, float32 (zeros where it has none)."""
+    if PROLOGUE == 1:
+        return tl.load(nw_ptr + ks, mask=km, other=0.0).to(tl.float32)
+    elif PROLOGUE == 2:
+        return tl.load(nw_ptr + ks % HEAD).to(tl.float32)
+    else:
+        return tl.zeros(ks.shape, dtype=tl.float32)
+
+
+@triton.jit
+def _x_tile(x_ptr, nw, z_ptr, xn_ptr, rows, rm, ks, km, pid_n, s_x, s_z, s_zh, s_xn, eps,
+            offset, inv, K, dt: tl.constexpr, PROLOGUE: tl.constexpr, HEAD: tl.constexpr,
+            BM: tl.constexpr, BK: tl.constexpr, NORMED: tl.constexpr, WHOLE: tl.constexpr):
+    """Columns ks of the GEMM's left operand: x's rows with the prologue applied (nw: its
+    norm weights, `_norm_weights`). WHOLE: ks covers all of K, and the rms norm's inverse
+    is taken from this very load (else `inv` is given)."""
     xm = rm[:, None] & km[None, :]
     xv = tl.load(x_ptr + rows[:, None] * s_x + ks[None, :], mask=xm, other=0.0)
     if PROLOGUE == 1:  # y = x / rms(x) * (offset + w), cast back
-        nw = tl.load(nw_ptr + ks, mask=km, other=0.0).to(tl.float32)
+        if WHOLE:
+            xf = xv.to(tl.float32)
+            inv = tl.rsqrt(tl.sum(xf * xf, axis=1) / K + eps)
         xv = (xv.to(tl.float32) * inv[:, None] * (offset + nw[None, :])).to(dt)
         if NORMED:
             tl.store(xn_ptr + rows[:, None] * s_xn + ks[None, :], xv,
@@ -98,7 +118,6 @@ def _x_tile(x_ptr, nw_ptr, z_ptr, xn_ptr, rows, rm, ks, km, pid_n, s_x, s_z, s_z
         xf = tl.reshape(xv.to(tl.float32), [BM, BK // HEAD, HEAD])
         hinv = tl.rsqrt(tl.sum(xf * xf, axis=2) / HEAD + eps)
         normed = tl.reshape((xf * hinv[:, :, None]).to(dt), [BM, BK]).to(tl.float32)
-        nw = tl.load(nw_ptr + ks % HEAD).to(tl.float32)
         scaled = (nw[None, :] * normed).to(dt).to(tl.float32)
         zv = tl.load(z_ptr + rows[:, None] * s_z + (ks // HEAD)[None, :] * s_zh
                      + (ks % HEAD)[None, :], mask=xm, other=0.0).to(tl.float32)
@@ -163,7 +182,7 @@ def _conv_epilogue(y, old, after, wc, live, out, ns, ym, C, KC: tl.constexpr,
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cnt_ptr,
-                   conv_ptr, slot_ptr, dest_ptr, cw_ptr,
+                   conv_ptr, slot_ptr, dest_ptr, cw_ptr, keys_ptr,
                    M, N, K, s_x, s_w, s_y, s_r, s_z, s_zh, s_xn, eps, offset,
                    C, s_cn, s_cc, s_cwc, s_cwk,
                    PROLOGUE: tl.constexpr, HEAD: tl.constexpr, GLU: tl.constexpr,
@@ -171,7 +190,7 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
                    BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
                    DOT: tl.constexpr, IEEE: tl.constexpr, SINGLE: tl.constexpr,
                    CONV: tl.constexpr, KC: tl.constexpr, KP: tl.constexpr,
-                   PDL: tl.constexpr):
+                   ARGMAX: tl.constexpr, PDL: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     pdl.launch_dependents(PDL)
     dt = y_ptr.dtype.element_ty
@@ -186,6 +205,7 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
         wv1 = tl.load(w_ptrs, mask=nm[:, None] & km1[None, :], other=0.0)
         if GLU:  # the up row n sits N rows below the gate row n
             wu1 = tl.load(w_ptrs + N * s_w, mask=nm[:, None] & km1[None, :], other=0.0)
+        nw1 = _norm_weights(nw_ptr, ks1, km1, PROLOGUE, HEAD)  # weights too: before the wait
     pdl.wait(PDL)  # from here on: reads of what earlier kernels wrote, and every write
     ym = rm[:, None] & nm[None, :]
     if RESIDUAL and SPLIT == 1:  # issued now, its round trip overlaps the GEMM's
@@ -197,7 +217,7 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
     k_lo = pid_k * per
     k_hi = tl.minimum(k_lo + per, K)
     inv = tl.zeros([BM], dtype=tl.float32)
-    if PROLOGUE == 1:  # the row's rms over all of K, whichever part this program reads
+    if PROLOGUE == 1 and not SINGLE:  # the row's rms over all of K, whichever part is read
         ss = tl.zeros([BM], dtype=tl.float32)
         for k0 in range(0, K, BK):
             ks = k0 + tl.arange(0, BK)
@@ -214,8 +234,8 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
         if GLU:
             acc_u = tl.zeros([BN, BK], dtype=tl.float32)
     if SINGLE:
-        xv = _x_tile(x_ptr, nw_ptr, z_ptr, xn_ptr, rows, rm, ks1, km1, pid_n, s_x, s_z, s_zh,
-                     s_xn, eps, offset, inv, dt, PROLOGUE, HEAD, BM, BK, NORMED)
+        xv = _x_tile(x_ptr, nw1, z_ptr, xn_ptr, rows, rm, ks1, km1, pid_n, s_x, s_z, s_zh,
+                     s_xn, eps, offset, inv, K, dt, PROLOGUE, HEAD, BM, BK, NORMED, True)
         acc = _accumulate(acc, xv, wv1, DOT, IEEE)
         if GLU:
             acc_u = _accumulate(acc_u, xv, wu1, DOT, IEEE)
@@ -223,8 +243,9 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
         for k0 in range(k_lo, k_hi, BK):
             ks = k0 + tl.arange(0, BK)
             km = ks < K
-            xv = _x_tile(x_ptr, nw_ptr, z_ptr, xn_ptr, rows, rm, ks, km, pid_n, s_x, s_z,
-                         s_zh, s_xn, eps, offset, inv, dt, PROLOGUE, HEAD, BM, BK, NORMED)
+            xv = _x_tile(x_ptr, _norm_weights(nw_ptr, ks, km, PROLOGUE, HEAD), z_ptr, xn_ptr,
+                         rows, rm, ks, km, pid_n, s_x, s_z, s_zh, s_xn, eps, offset, inv, K,
+                         dt, PROLOGUE, HEAD, BM, BK, NORMED, False)
             w_ptrs = w_ptr + ns[:, None] * s_w + ks[None, :]
             wm = nm[:, None] & km[None, :]
             acc = _accumulate(acc, xv, tl.load(w_ptrs, mask=wm, other=0.0), DOT, IEEE)
@@ -266,6 +287,10 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
             r = tl.load(r_ptr + rows[:, None] * s_r + ns[None, :], mask=ym, other=0.0)
         y = (r.to(tl.float32) + y.to(tl.float32)).to(dt)
     tl.store(y_ptr + rows[:, None] * s_y + ns[None, :], y, mask=ym)
+    if ARGMAX:  # each row's greedy key over this program's columns, folded into the row's
+        key = tl.where(ym, key_of(y.to(tl.float32), ns[None, :] + rows[:, None] * 0),
+                       KEY_NONE_C)
+        tl.atomic_max(keys_ptr + rows, tl.max(key, axis=1), mask=rm)
 
 
 _workspaces: dict[torch.device, tuple[Tensor, Tensor]] = {}
@@ -292,7 +317,7 @@ def _workspace(device: torch.device, floats: int, counters: int) -> tuple[Tensor
 def _launch(x: Tensor, w: Tensor, *, prologue: int = NONE, norm_weight: Tensor | None = None,
             eps: float = 0.0, offset: float = 1.0, z: Tensor | None = None, head: int = 1,
             glu: bool = False, residual: Tensor | None = None, normed: bool = False,
-            conv: tuple[Tensor, ...] | None = None,
+            conv: tuple[Tensor, ...] | None = None, argmax: Tensor | None = None,
             tiles: Tiles | None = None) -> Tensor | tuple[Tensor, Tensor]:
     K = x.shape[-1]
     N = w.shape[0] // 2 if glu else w.shape[0]
@@ -320,9 +345,12 @@ def _launch(x: Tensor, w: Tensor, *, prologue: int = NONE, norm_weight: Tensor |
         pool, slots, dests, cw = _conv_args(conv, M, N, glu, residual)
     else:
         pool = slots = dests = cw = y
+    if argmax is not None and (argmax.shape != (M,) or argmax.dtype != torch.int64):
+        raise ValueError(f"the argmax epilogue folds greedy keys into an int64 [{M}], got "
+                         f"{tuple(argmax.shape)} {argmax.dtype}")
     _skinny_kernel[(grid_n, t.split)](
         x2, w, y, r2, norm_weight if norm_weight is not None else w, z2, xn, ws, cnt,
-        pool, slots, dests, cw,
+        pool, slots, dests, cw, argmax if argmax is not None else y,
         M, N, K, x2.stride(0), w.stride(0), y.stride(0), r2.stride(0), z2.stride(0),
         z2.stride(1), xn.stride(0), eps, offset,
         cw.shape[0] if conv is not None else 0, pool.stride(0), pool.stride(1),
@@ -332,7 +360,8 @@ def _launch(x: Tensor, w: Tensor, *, prologue: int = NONE, norm_weight: Tensor |
         IEEE=x.dtype == torch.float32 or x.device.type != "cuda",
         SINGLE=t.split == 1 and t.bk >= K, CONV=conv is not None,
         KC=cw.shape[1] if conv is not None else 2,
-        KP=triton.next_power_of_2(cw.shape[1]) if conv is not None else 2, num_warps=t.warps,
+        KP=triton.next_power_of_2(cw.shape[1]) if conv is not None else 2,
+        ARGMAX=argmax is not None, num_warps=t.warps,
         **pdl.launch(x))
     y = y.view(*x.shape[:-1], N)
     return (y, xn.view(x.shape)) if normed else y
@@ -364,16 +393,18 @@ def linear(x: Tensor, w: Tensor, residual: Tensor | None = None, *, glu: bool = 
 
 def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, w: Tensor, *, glu: bool = False,
                 normed: bool = False, offset: float = 1.0,
-                conv: tuple[Tensor, ...] | None = None,
+                conv: tuple[Tensor, ...] | None = None, argmax: Tensor | None = None,
                 tiles: Tiles | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """rms_norm(x) @ w^T; `glu`: w is [gate; up] and the result silu(gate) * up; `normed`:
     (y, the normed x) is returned. `conv=(pool, slots, weight [C, K])`: y's first C
     columns go through the causal conv with SiLU of one new input per row, row r
     continuing from the tail in pool[slots[r]] ([slots, C, K-1]), which is updated in place
     (a negative slot: zeros, not written), as `kernels.conv1d.causal_conv1d_update`;
-    `conv=(pool, slots, weight, dests)` writes the new tails to pool[dests[r]] instead."""
+    `conv=(pool, slots, weight, dests)` writes the new tails to pool[dests[r]] instead.
+    `argmax`: int64 [rows], each row's greedy key over y (`kernels.greedy`) folded in by
+    atomic max (reset it to KEY_NONE first; the LM head's greedy token on the device)."""
     return _launch(x, w, prologue=RMS, norm_weight=norm_weight, eps=eps, offset=offset,
-                   glu=glu, normed=normed, conv=conv, tiles=tiles)
+                   glu=glu, normed=normed, conv=conv, argmax=argmax, tiles=tiles)
 
 
 def gated_norm_linear(x: Tensor, z: Tensor, norm_weight: Tensor, eps: float, w: Tensor,

@@ -472,6 +472,12 @@ class Engine:
         mtp_upto = frontier + max(k, 1) if self.runner.mtp else 0
         if not self._reserve(live, frontier + k + 1, mtp_upto):
             return
+        if self.mode.spec == "none" and room > 1 and isinstance(live.choice, GreedyChoice) \
+                and getattr(self.runner.model, "runs_ahead", False):
+            try:  # the next position's block too, for the step the model runs ahead
+                self.runner.reserve(lane, frontier + 2)
+            except OutOfMemory:
+                pass  # that step is then not run ahead: only time is lost
         drafts, probs = self.runner.draft(lane, request.sequence, frontier, k, live.choice)
         if self.runner.mtp:
             for held in live.captures:

@@ -106,8 +106,13 @@ class GatedAttention(nn.Module):
             q_and_gate = y[..., :nq].view(B, T, H, 2 * D)
             k = y[..., nq:nq + nk].view(B, T, Hkv, D)
             v = y[..., nq + nk:].view(B, T, Hkv, D)
-            # a store that takes the packed projection: norms, rotations and the KV write in
-            # one launch (None where it does not apply)
+            # a store that takes the packed projection: one new token per lane, the whole
+            # mixer in one launch (norms, rotations, the KV write and the attention); else
+            # norms, rotations and the KV write in one (None where either does not apply)
+            whole = getattr(kv, "decode_attention", None)
+            out = whole(layer, y, positions, cos_sin, self) if whole else None
+            if out is not None:
+                return self._output(out, q_and_gate[..., D:], skinny, residual)
             prologue = getattr(kv, "prologue", None)
             ready = prologue(layer, y, positions, cos_sin, self) if prologue else None
         else:
@@ -128,6 +133,11 @@ class GatedAttention(nn.Module):
         out = attend(layer, q, positions) if attend is not None else None
         if out is None:
             out = self._attend(x, q, positions, kv, layer)
+        return self._output(out, gate, skinny, residual)
+
+    def _output(self, out: Tensor, gate: Tensor, skinny, residual: Tensor | None) -> Tensor:
+        """The attention output [B, T, H, D] gated by sigmoid(gate), projected (+ residual)."""
+        B, T, H, D = out.shape
         if skinny is not None:  # the gate, o_proj and the residual in one kernel
             return skinny.gate_linear(out.contiguous(), gate, self.o_proj.weight, residual)
         dev = kernels_for(out)

@@ -6,23 +6,28 @@ A graph is captured per (batch size, block-table width) on first use: batch size
 nor write, and a block table pointing at the scratch block, where their KV lands), widths
 from 64 blocks up. Inputs reach the graph through one static int64 buffer (token, position,
 slot the GDN state is read from, slot it is written to, block table of every lane) filled
-with a single host-to-device copy; the GDN state is updated in the slot pools by the
-kernels (`SlotGDNState`), the KV is written into the blocks, and the logits and last
-hidden states come back in static outputs, copied out before the next replay.
+with a single host-to-device copy; the graph's first kernel (`kernels.greedy.decode_start`)
+gathers the embedding rows and makes the rotary angles; the GDN state is updated in the
+slot pools by the kernels (`SlotGDNState`), the KV is written into the blocks, and the
+logits and last hidden states come back in static outputs, copied out before the next
+replay. The LM head folds each lane's greedy token into a key (`kernels.greedy`) inside
+the graph, so no argmax runs between replays.
 
 Running ahead. Between two decode steps the host has work of its own (reading the greedy
 tokens, the engine's bookkeeping, the journal): with one replay at a time the GPU idles
 through it. When the caller says it will feed each lane its greedy token next (`ahead`),
-`run` launches that next step before it returns, its tokens taken from this step's argmax
-on the device, and the next `run` adopts it if it asks for exactly that step: the same
-lanes in the same order, each lane's greedy token, the next position, the same KV blocks.
+`run` launches that next step before it returns, its tokens taken from the greedy keys
+this step left on the device (the host stages -1 for them), and the next `run` adopts it
+if it asks for exactly that step: the same lanes in the same order, each lane's greedy
+token, the next position, the same KV blocks.
 Anything else drops it. A step run ahead must leave nothing behind when it is dropped:
 - its GDN states go to the lanes' twin slots (`TorchModel.twin`); adopting it flips the
   lanes to them, dropping it leaves the states where they were;
 - its KV lands at the next position of the lane's own blocks, past every position the lane
   has committed: nothing reads it there, and whatever the engine launches later writes
   over it in stream order;
-- it is launched only where that position's block is already the lane's.
+- it is launched only where that position's block is already the lane's (the engine
+  reserves it a step early when the pool can spare it: `TorchModel.runs_ahead`).
 The engine writing a lane's state itself (`TorchModel._writing`) drops the step; waiting
 for the engine's work (`TorchModel.synchronize`) does not wait for it. NINFER_AHEAD=0
 turns running ahead off (the benchmark's "before").
@@ -36,12 +41,17 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from kernels import device_kernels
+from kernels.greedy import KEY_NONE
+
 from .gdn import SlotGDNState
 from .hybrid import HybridState
+from .layers import _inv_freq
 
 SIZES = (1, 2, 4, 8)
 WIDTHS = (64, 256, 1024, 4096, 16384)   # block-table columns (x block_size positions)
 RING = 3   # pinned staging buffers per graph: reused only once their step has completed
+_LOW = 0xFFFFFFFF  # a greedy key's low word is _LOW - token (`kernels.greedy`)
 
 
 @dataclass
@@ -52,6 +62,7 @@ class _Captured:
     inputs: Tensor        # [4 * S + S * W] int64: ids, positions, slots, dests, tables
     logits: Tensor        # [S, 1, V]
     hidden: Tensor        # [S, 1, D]
+    keys: Tensor          # [S] int64: the greedy keys (shared by the graphs of S lanes)
     # pinned host twins of the inputs and of the greedy tokens, with the step that used
     # them last (its event: the buffer is free again once it has completed)
     staging: list[tuple[Tensor, Tensor]] = field(default_factory=list)
@@ -65,13 +76,12 @@ class _Step:
 
     logits: Tensor        # [B, V]
     hidden: Tensor        # [B, D]
-    greedy_dev: Tensor    # [B] int64: the argmax, on the device
-    greedy_host: Tensor   # its pinned copy (valid once `done` has completed)
+    keys_host: Tensor     # pinned copy of the greedy keys (valid once `done` has completed)
     done: torch.cuda.Event
 
     def greedy(self) -> list[int]:
         self.done.synchronize()
-        return self.greedy_host[:self.logits.shape[0]].tolist()
+        return [_LOW - (k & _LOW) for k in self.keys_host[:self.logits.shape[0]].tolist()]
 
 
 @dataclass
@@ -97,6 +107,7 @@ class DecodeGraphs:
         self.model = model
         self.pool = torch.cuda.graph_pool_handle()  # replays are sequential: one pool
         self.graphs: dict[tuple[int, int], _Captured] = {}
+        self.keys: dict[int, Tensor] = {}  # per batch size: the greedy keys its graphs fold
         self.forward = torch.compile(model.net.forward, dynamic=False) if compile \
             else model.net.forward
         self.ahead: _Ahead | None = None
@@ -153,16 +164,16 @@ class DecodeGraphs:
         if any(p // bs >= len(lane.attn_blocks) for lane, p in zip(lanes, nxt, strict=True)):
             return  # a lane's next position needs a block the engine has not given it yet
         dests = [self.model.twin(lane.slot) for lane in lanes]
-        ahead = self._launch(lanes, nxt, step.greedy_dev, dests)
+        ahead = self._launch(lanes, nxt, None, dests)
         self.ahead = _Ahead(ahead, step, list(lanes), [lane.slot for lane in lanes], nxt,
                             [lane.attn_blocks[:p // bs + 1] for lane, p in
                              zip(lanes, nxt, strict=True)], self.model.fence())
 
-    def _launch(self, lanes, starts: list[int], tokens: list[int] | Tensor,
+    def _launch(self, lanes, starts: list[int], tokens: list[int] | None,
                 dests: list[int] | None) -> _Step:
-        """Stage the inputs, replay, and copy the outputs out. `tokens` on the device are
-        copied in after the staged inputs; `dests` (None: in place) are where the GDN
-        states go."""
+        """Stage the inputs, replay, and copy the outputs out. `tokens` None: each lane's
+        greedy token of the replay before (its key, left on the device); `dests` (None: in
+        place) are where the GDN states go."""
         B = len(lanes)
         S = next(s for s in SIZES if s >= B)
         W = next(w for w in WIDTHS if w >= max(len(x.attn_blocks) for x in lanes))
@@ -170,7 +181,7 @@ class DecodeGraphs:
         i = cap.turn = (cap.turn + 1) % RING
         if cap.used_by[i] is not None:  # its last copies may still be in flight
             cap.used_by[i].synchronize()
-        staged, greedy_host = cap.staging[i]
+        staged, keys_host = cap.staging[i]
         # the pinned buffer written through numpy: a torch op per element costs microseconds
         # of host time, and the GPU idles for all of it
         host = staged.numpy()
@@ -179,24 +190,19 @@ class DecodeGraphs:
         tables = host[4 * S:].reshape(S, W)
         tables.fill(self.model.scratch_block)
         at = self.model._at
-        on_host = not isinstance(tokens, Tensor)
         for b, (lane, start) in enumerate(zip(lanes, starts, strict=True)):
             host[S + b], host[2 * S + b] = start, at(lane.slot)
             host[3 * S + b] = at(lane.slot) if dests is None else dests[b]
-            if on_host:
-                host[b] = tokens[b]
+            host[b] = -1 if tokens is None else tokens[b]
             tables[b, :len(lane.attn_blocks)] = lane.attn_blocks
         cap.inputs.copy_(staged, non_blocking=True)
-        if not on_host:
-            cap.inputs[:B].copy_(tokens)
         cap.graph.replay()
         logits, hidden = cap.logits[:B, 0].clone(), cap.hidden[:B, 0].clone()
-        greedy = logits.argmax(-1)
-        greedy_host[:B].copy_(greedy, non_blocking=True)
+        keys_host[:B].copy_(cap.keys[:B], non_blocking=True)
         done = torch.cuda.Event()
         done.record()
         cap.used_by[i] = done
-        return _Step(logits, hidden, greedy, greedy_host, done)
+        return _Step(logits, hidden, keys_host, done)
 
     def _capture(self, S: int, W: int) -> _Captured:
         m = self.model
@@ -209,21 +215,32 @@ class DecodeGraphs:
         tables.fill_(m.scratch_block)
         from .torch_model import PagedKV
         gdn = {i: SlotGDNState(m.conv[i], m.recurrent[i], slots, dests) for i in m.conv}
+        if S not in self.keys:
+            self.keys[S] = torch.full((S,), KEY_NONE, dtype=torch.long, device=m.device)
+        keys = self.keys[S]
+        net, c = m.net, m.config
+        inv_freq = _inv_freq(c.rotary_dim, float(c.rope_theta),
+                             torch.promote_types(m.dtype, torch.float32), m.device)
+        start = device_kernels().decode_start
 
         def forward():
-            return self.forward(ids, positions, HybridState(gdn, PagedKV(
-                m.kv_k, m.kv_v, m.block_size, tables)))
+            h, cos, sin = start(ids, positions, keys, net.model.embed_tokens.weight, inv_freq)
+            kv = PagedKV(m.kv_k, m.kv_v, m.block_size, tables)
+            return self.forward(ids, positions, HybridState(gdn, kv), embedded=(h, (cos, sin)),
+                                greedy=keys)
 
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.inference_mode(), torch.cuda.stream(stream):
+            left = keys.clone()  # the keys another graph of S lanes left for the next step
             for _ in range(2):  # Triton compiles, cuBLAS picks its kernels: not in a graph
                 forward()
+            keys.copy_(left)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
             out = forward()
-        cap = _Captured(graph, S, W, inputs, out.logits, out.hidden)
+        cap = _Captured(graph, S, W, inputs, out.logits, out.hidden, keys)
         for _ in range(RING):
             cap.staging.append((torch.zeros_like(inputs, device="cpu").pin_memory(),
                                 torch.zeros(S, dtype=torch.long).pin_memory()))

@@ -158,13 +158,22 @@ class HybridModel(nn.Module):
         return rope_cos_sin(positions, c.rotary_dim, c.rope_theta, dtype)
 
     def forward(self, input_ids: Tensor, positions: Tensor, state: HybridState,
-                all_states: bool = False, logits: bool = True) -> ForwardOutput:
+                all_states: bool = False, logits: bool = True,
+                embedded: tuple[Tensor, tuple[Tensor, Tensor]] | None = None,
+                greedy: Tensor | None = None) -> ForwardOutput:
         """Feed input_ids [B, T] at positions [B, T] (row b: P_b, P_b+1, ..., P_b+T-1)
         continuing from `state`, the state at P_b of each row. Prefill (any T, any P),
         decode (T=1) and verification (T=k+1, `all_states=True` for per-position GDN states
-        so a rollback is `out.state_at(index)`) are this one call."""
-        h = self.model.embed_tokens(input_ids)  # [B, T, hidden]
-        cos_sin = self.rope(positions, h.dtype)
+        so a rollback is `out.state_at(index)`) are this one call. `embedded`: the
+        embedding rows and rotary cos / sin of input_ids at positions, made already (a
+        decode graph's first kernel, `kernels.greedy.decode_start`). `greedy`: int64 [B],
+        reset to `kernels.greedy.KEY_NONE`: each row's greedy key of its last position's
+        logits is folded into it on the device (`kernels.greedy`; needs the kernels)."""
+        if embedded is None:
+            h = self.model.embed_tokens(input_ids)  # [B, T, hidden]
+            cos_sin = self.rope(positions, h.dtype)
+        else:
+            h, cos_sin = embedded
         new_gdn: dict[int, GDNState] = {}
         for i, layer in enumerate(self.model.layers):
             h, s = layer(h, positions, cos_sin, state.kv, i, state.gdn.get(i), all_states)
@@ -174,10 +183,15 @@ class HybridModel(nn.Module):
         if skinny is not None:  # the final norm inside the head's GEMM, which writes it out
             norm = self.model.norm
             out, hidden = skinny.norm_linear(h, norm.weight, norm.eps, self._head_weight(),
-                                             normed=True)
+                                             normed=True, argmax=greedy)
         else:
             hidden = self.model.norm(h)
             out = self.lm_logits(hidden) if logits else None
+            if greedy is not None and out is not None:
+                dev = kernels_for(out)
+                if dev is None:
+                    raise ValueError("greedy keys are made by the device kernels")
+                dev.greedy_keys(out[:, -1].contiguous(), greedy)
         final = {i: s.pick(-1) for i, s in new_gdn.items()} if all_states else new_gdn
         return ForwardOutput(out, hidden, HybridState(final, state.kv),
                              new_gdn if all_states else None)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kernels import device_kernels, kernels_for
+from kernels import kernels_for
 
 from ..engine.model import Forward, Lane, MissingStatePart, MtpOut, Parts
 from .attention import ContiguousKV
@@ -70,6 +70,26 @@ class PagedKV:
             attn.k_norm.weight, attn.q_norm.eps, cos, sin, self.k[layer], self.v[layer],
             self.tables, positions)
 
+    def decode_attention(self, layer: int, y: Tensor, positions: Tensor,
+                         cos_sin: tuple[Tensor, Tensor], attn) -> Tensor | None:
+        """On a GPU, one new token per lane: the attention layer `attn`'s mixer from its
+        packed projection y, the KV written and attended in one launch
+        (`kernels.decode_attention`); None elsewhere."""
+        dev = kernels_for(y)
+        if dev is None or y.shape[1] != 1:
+            return None
+        cos, sin = cos_sin
+        return dev.decode_attention(
+            y, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.q_norm.weight,
+            attn.k_norm.weight, attn.q_norm.eps, cos, sin, self.k[layer], self.v[layer],
+            self.tables, positions)
+
+    def _lengths_of(self, positions: Tensor) -> Tensor:
+        """Each lane's KV length after `positions` [B, T] (once per forward)."""
+        if self._lengths is None or self._lengths[0] is not positions:
+            self._lengths = (positions, positions[:, -1] + 1)
+        return self._lengths[1]
+
     def attend(self, layer: int, q: Tensor, positions: Tensor) -> Tensor | None:
         """Attention of q [B, T, H, D] at `positions` (consecutive per lane, already written)
         over the lane's KV by the device kernel; None where it does not apply (the CPU, a
@@ -78,10 +98,8 @@ class PagedKV:
         if dev is None or q.shape[1] > ATTEND_ON_DEVICE_UP_TO:
             return None
         k, v = self.k[layer], self.v[layer]
-        if self._lengths is None or self._lengths[0] is not positions:  # once per forward
-            self._lengths = (positions, positions[:, -1] + 1)
         return dev.attention(q.to(k.dtype).contiguous(), k, v, self.tables,
-                             self._lengths[1]).to(q.dtype)
+                             self._lengths_of(positions)).to(q.dtype)
 
     def read(self, layer: int, length: int) -> tuple[Tensor, Tensor]:
         n = -(-length // self.bs)
@@ -145,8 +163,11 @@ class TorchModel:
 
         self.kv_k, self.kv_v = blocks(c.attention_layers)
         self.mtp_k, self.mtp_v = blocks(range(c.mtp_num_hidden_layers) if net.has_mtp else ())
-        graphs = self.device.type == "cuda" and device_kernels() is not None and not any(
-            c.is_moe_layer(i) for i in range(c.num_hidden_layers))
+        # graphs need the kernels for the model's dtype (their first kernel and the greedy
+        # keys are Triton's) and no MoE layer (routing syncs with the host)
+        graphs = kernels_for(torch.empty(0, dtype=self.dtype, device=self.device)) is not None \
+            and self.device.type == "cuda" and not any(
+                c.is_moe_layer(i) for i in range(c.num_hidden_layers))
         # with decode graphs each slot has a twin: a step run ahead of the engine writes
         # the state it makes there, and `flip[slot]` says which of the two holds the slot's
         # state (`_at`): adopting the step flips it, dropping it leaves the state as it was
@@ -165,6 +186,12 @@ class TorchModel:
         if graphs:
             from .graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self)
+
+    @property
+    def runs_ahead(self) -> bool:
+        """Whether greedy one-token steps may be launched ahead of the engine (decode
+        graphs): the engine then reserves the next position's block a step early."""
+        return self.graphs is not None and self.graphs.run_ahead
 
     def _at(self, slot: int) -> int:
         """Where the GDN state of engine slot `slot` is in the pools (it or its twin)."""

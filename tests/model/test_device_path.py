@@ -123,3 +123,38 @@ def test_packed_projections_equal_the_checkpoints_layout(family, monkeypatch):
     want = layer._project(x)
     monkeypatch.setattr(kernels, "INTERPRET_ON_CPU", True)
     assert torch.allclose(layer._project(x)[2], want[2], atol=1e-5)  # repacked
+
+
+@pytest.mark.parametrize("rows", [1, 2])  # one row: the LM head's GEMM folds the keys in
+def test_a_forward_fed_by_decode_start_gives_the_same_logits_and_their_greedy_keys(on_cpu,
+                                                                                    rows):
+    """What a decode graph runs (its first kernel's embedding rows and rotary angles, the
+    greedy keys made on the device) gives the plain forward's logits, and the keys name
+    their argmax."""
+    from kernels import greedy
+    from ninfer.model.gdn import GDNState
+    from ninfer.model.hybrid import HybridState
+    from ninfer.model.layers import _inv_freq
+    from ninfer.model.torch_model import PagedKV
+    model = _factory(16, 4, 6)
+    net, c = model.net, model.config
+    torch.manual_seed(3)
+    for layer in model.conv:
+        model.conv[layer].normal_()
+        model.recurrent[layer].normal_(std=0.1)
+    ids, pos = torch.tensor([[5], [9]])[:rows], torch.tensor([[6], [2]])[:rows]
+    tables = [[0, 1], [2, 3]][:rows]
+
+    def state():
+        gdn = {i: GDNState(model.conv[i][:rows].clone(), model.recurrent[i][:rows].clone())
+               for i in model.conv}
+        return HybridState(gdn, PagedKV(model.kv_k, model.kv_v, 4, tables))
+
+    want = net.forward(ids, pos, state())
+    keys = torch.full((rows,), greedy.KEY_NONE)
+    keys[0] = greedy.greedy_keys_reference(torch.randn(1, 9))[0]  # left by a replay before
+    inv = _inv_freq(c.rotary_dim, float(c.rope_theta), torch.float32, torch.device("cpu"))
+    h, cos, sin = greedy.decode_start(ids, pos, keys, net.model.embed_tokens.weight, inv)
+    got = net.forward(ids, pos, state(), embedded=(h, (cos, sin)), greedy=keys)
+    assert torch.allclose(got.logits, want.logits, atol=1e-5, rtol=1e-5)
+    assert greedy.token_of(keys).tolist() == got.logits[:, -1].argmax(-1).tolist()
