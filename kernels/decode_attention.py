@@ -29,7 +29,7 @@ from torch import Tensor
 
 from . import pdl
 from .kv_write import _check, norm_rope
-from .paged_attention import LOG2E, _interpreting, merge_splits
+from .paged_attention import LOG2E, _interpreting, merge_splits, online_softmax_step
 
 
 @triton.jit
@@ -109,22 +109,8 @@ def _decode_attention_kernel(
         is_new = (offs_n == new)[:, None]
         k = tl.where(is_new, k_new, k)
         v = tl.where(is_new, v_new, v)
-        if F32_DOT:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))
-        s = (s * qk_scale).to(tl.float32)
-        s = tl.where((offs_n < seq_len)[None, :], s, float("-inf"))  # s: [BM, BN]
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if F32_DOT:
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(q, k, v, (offs_n < seq_len)[None, :], m_i, l_i,
+                                            acc, qk_scale, F32_DOT)
 
     seen = l_i > 0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]  # a row that saw nothing gives zeros

@@ -29,6 +29,28 @@ def _interpreting() -> bool:
 
 
 @triton.jit
+def online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, F32_DOT: tl.constexpr):
+    """One KV tile of flash attention: q [BM, BD], k, v [BN, BD], visible [BM, BN] (or
+    broadcast to it); the running max m_i, sum l_i [BM] and output acc [BM, BD] updated."""
+    if F32_DOT:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k.to(q.dtype)))
+    s = (s * qk_scale).to(tl.float32)  # log2 units (a compiled caller may pass fp64)
+    s = tl.where(visible, s, float("-inf"))  # s: [BM, BN]
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if F32_DOT:
+        # p rounded to v's dtype first, as the low-precision dot below does
+        pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _paged_attn_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, out_ptr, po_ptr, pl_ptr,
     T, qk_scale,
@@ -80,23 +102,8 @@ def _paged_attn_split_kernel(
         # masked to zero: p = 0 times stale (even NaN) cache memory would still poison acc
         v = tl.load(v_ptr + page[:, None] * s_vn + within[:, None] * s_vp + kvh * s_vh
                     + offs_d[None, :], mask=m_kv, other=0.0)  # v: [BN, BD]
-        if F32_DOT:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))
-        s = (s * qk_scale).to(tl.float32)  # log2 units (a compiled caller may pass fp64)
-        s = tl.where(offs_n[None, :] <= last[:, None], s, float("-inf"))  # s: [BM, BN]
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if F32_DOT:
-            # p rounded to v's dtype first, as the low-precision dot below does
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(q, k, v, offs_n[None, :] <= last[:, None], m_i, l_i,
+                                            acc, qk_scale, F32_DOT)
 
     seen = l_i > 0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]  # a row that saw nothing gives zeros

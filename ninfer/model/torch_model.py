@@ -64,11 +64,7 @@ class PagedKV:
         dev = kernels_for(y)
         if dev is None:
             return None
-        cos, sin = cos_sin
-        return dev.attention_prologue(
-            y, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.q_norm.weight,
-            attn.k_norm.weight, attn.q_norm.eps, cos, sin, self.k[layer], self.v[layer],
-            self.tables, positions)
+        return dev.attention_prologue(y, *self._layer_args(layer, attn, cos_sin), positions)
 
     def decode_attention(self, layer: int, y: Tensor, positions: Tensor,
                          cos_sin: tuple[Tensor, Tensor], attn) -> Tensor | None:
@@ -78,11 +74,14 @@ class PagedKV:
         dev = kernels_for(y)
         if dev is None or y.shape[1] != 1:
             return None
-        cos, sin = cos_sin
-        return dev.decode_attention(
-            y, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.q_norm.weight,
-            attn.k_norm.weight, attn.q_norm.eps, cos, sin, self.k[layer], self.v[layer],
-            self.tables, positions)
+        return dev.decode_attention(y, *self._layer_args(layer, attn, cos_sin), positions)
+
+    def _layer_args(self, layer: int, attn, cos_sin: tuple[Tensor, Tensor]) -> tuple:
+        """What the attention kernels take of layer `attn` and this store, between the
+        projection and the positions: heads, norms, the angles, the caches, the tables."""
+        return (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.q_norm.weight,
+                attn.k_norm.weight, attn.q_norm.eps, *cos_sin, self.k[layer], self.v[layer],
+                self.tables)
 
     def _lengths_of(self, positions: Tensor) -> Tensor:
         """Each lane's KV length after `positions` [B, T] (once per forward)."""

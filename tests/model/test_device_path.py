@@ -24,6 +24,16 @@ def _factory(num_blocks, block_size, num_slots):
                       num_slots=num_slots, identity="tiny-test-f32")
 
 
+def _model_with_random_states(seed: int) -> TorchModel:
+    """A model whose GDN slot pools hold random states (a step must read them)."""
+    model = _factory(16, 4, 6)
+    torch.manual_seed(seed)
+    for layer in model.conv:
+        model.conv[layer].normal_()
+        model.recurrent[layer].normal_(std=0.1)
+    return model
+
+
 def _conversation(spec: str):
     h = Harness(EngineConfig(spec=spec, prefill_chunk=16, draft_tokens=2, check_reuse=True),
                 model_factory=_factory)
@@ -55,12 +65,8 @@ def test_the_kernel_path_gives_the_torch_paths_tokens(spec, monkeypatch):
 
 @pytest.mark.parametrize("slots", [[4, 1], [4]])  # one lane: the conv folds into the GEMM
 def test_a_one_token_step_updates_only_its_lanes_slots(on_cpu, slots):
-    model = _factory(16, 4, 6)
+    model = _model_with_random_states(1)
     net, c = model.net, model.config
-    torch.manual_seed(1)
-    for layer in model.conv:
-        model.conv[layer].normal_()
-        model.recurrent[layer].normal_(std=0.1)
     before = {i: (model.conv[i].clone(), model.recurrent[i].clone()) for i in model.conv}
     n = len(slots)
     ids, pos = torch.tensor([[5], [7]][:n]), torch.tensor([[3], [3]][:n])
@@ -136,12 +142,8 @@ def test_a_forward_fed_by_decode_start_gives_the_same_logits_and_their_greedy_ke
     from ninfer.model.hybrid import HybridState
     from ninfer.model.layers import _inv_freq
     from ninfer.model.torch_model import PagedKV
-    model = _factory(16, 4, 6)
+    model = _model_with_random_states(3)
     net, c = model.net, model.config
-    torch.manual_seed(3)
-    for layer in model.conv:
-        model.conv[layer].normal_()
-        model.recurrent[layer].normal_(std=0.1)
     ids, pos = torch.tensor([[5], [9]])[:rows], torch.tensor([[6], [2]])[:rows]
     tables = [[0, 1], [2, 3]][:rows]
 
