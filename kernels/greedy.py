@@ -59,7 +59,6 @@ def _greedy_keys_kernel(x_ptr, keys_ptr, V, s_x, BV: tl.constexpr):
     tl.atomic_max(keys_ptr + row, tl.max(key, axis=0))
 
 
-
 def greedy_keys(logits: Tensor, keys: Tensor) -> Tensor:
     """Fold the greedy keys of logits [B, V] into keys [B] (int64, reset to KEY_NONE or
     holding keys of other columns of the same rows); returns keys."""

@@ -25,9 +25,8 @@ that torch computes in it), so the result is that chain's up to the GEMM's summa
   `residual` (y = r + y), `argmax` (each row's greedy key, `kernels.greedy`), and `conv`:
   the GDN in-projection's depthwise causal conv (SiLU) over its first C columns, each
   lane's saved tail read from and shifted in its slot of the conv pool (`kernels.conv1d`'s
-  arithmetic). Every (lane, channel) belongs to one program,
-  so the tail's read and its update cannot race, which a separate conv kernel fused into
-  the GDN step could not say.
+  arithmetic). Every (lane, channel) belongs to one program, so the tail's read and its
+  update cannot race, which a separate conv kernel fused into the GDN step could not say.
 """
 
 from __future__ import annotations
@@ -74,7 +73,7 @@ def tiles_for(M: int, N: int, K: int, glu: bool, device: torch.device) -> Tiles:
                      dot=M > 1)
     if M == 1:  # the H200 sweep's best for anchor-1b's shapes (bench/results/skinny-h200.json)
         if N <= 2048 and K <= 2048:  # back to the hidden size from 2K: 4 columns, 8 warps
-            # (timed in the whole batch-1 decode graph: 524 against 531 us with 2 and 4)
+            # (timed in the whole batch-1 decode graph: 524 us, against 531 with 2 and 4 warps)
             return Tiles(4, triton.next_power_of_2(K), 8)
         if N <= 2048 and K <= 4096:  # from 3-4K: 2 columns a program, all of K
             return Tiles(2, triton.next_power_of_2(K), 8)
