@@ -29,21 +29,14 @@ from torch import Tensor
 
 from . import pdl
 from .kv_write import _check, norm_rope
-from .paged_attention import LOG2E, _interpreting, merge_splits, online_softmax_step
-
-
-@triton.jit
-def _tile(k_ptr, v_ptr, bt_row, offs_n, m_n, offs_d, m_d, kvh, s_kn, s_kp, s_kh, s_vn, s_vp,
-          s_vh, BLOCK: tl.constexpr):
-    """K and V of positions offs_n (where m_n) through the lane's block table: [BN, BD]."""
-    page = tl.load(bt_row + offs_n // BLOCK, mask=m_n, other=0).to(tl.int64)
-    within = offs_n % BLOCK
-    m = m_n[:, None] & m_d[None, :]
-    k = tl.load(k_ptr + page[:, None] * s_kn + within[:, None] * s_kp + kvh * s_kh
-                + offs_d[None, :], mask=m, other=0.0)
-    v = tl.load(v_ptr + page[:, None] * s_vn + within[:, None] * s_vp + kvh * s_vh
-                + offs_d[None, :], mask=m, other=0.0)
-    return k, v
+from .paged_attention import (
+    LOG2E,
+    _default_splits,
+    _interpreting,
+    kv_tile,
+    merge_splits,
+    online_softmax_step,
+)
 
 
 @triton.jit
@@ -72,8 +65,8 @@ def _decode_attention_kernel(
     m_d = offs_d < D
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
     offs_n = lo * BN + tl.arange(0, BN)
-    k0, v0 = _tile(k_ptr, v_ptr, bt_row, offs_n, (offs_n < new) & (offs_n < hi * BN), offs_d,
-                   m_d, kvh, s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, BLOCK)
+    k0, v0 = kv_tile(k_ptr, v_ptr, bt_row, offs_n, (offs_n < new) & (offs_n < hi * BN), offs_d,
+                     m_d, kvh, s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, BLOCK)
     pdl.wait(PDL)
 
     # the G query heads of this KV head (rows >= G: padding), and the new k and v
@@ -104,8 +97,8 @@ def _decode_attention_kernel(
     for j in range(lo, hi):
         offs_n = j * BN + tl.arange(0, BN)
         if j > lo:
-            k, v = _tile(k_ptr, v_ptr, bt_row, offs_n, offs_n < new, offs_d, m_d, kvh,
-                         s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, BLOCK)
+            k, v = kv_tile(k_ptr, v_ptr, bt_row, offs_n, offs_n < new, offs_d, m_d, kvh,
+                           s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, BLOCK)
         is_new = (offs_n == new)[:, None]
         k = tl.where(is_new, k_new, k)
         v = tl.where(is_new, v_new, v)
@@ -124,12 +117,6 @@ def _decode_attention_kernel(
                  mask=m_out)
         lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
         tl.store(pl_ptr + b * s_lb + head * s_lh + i_s, lse, mask=m_row)
-
-
-def default_splits(lanes: int, kv_heads: int, capacity: int, bn: int) -> int:
-    """About two programs per SM of an H200 (132), at most one per BN positions of the block
-    table's capacity, at most 128 (`paged_attention`'s rule)."""
-    return max(1, min(triton.cdiv(264, lanes * kv_heads), triton.cdiv(capacity, bn), 128))
 
 
 def decode_attention(y: Tensor, heads: int, kv_heads: int, head_dim: int, q_norm: Tensor,
@@ -157,8 +144,8 @@ def decode_attention(y: Tensor, heads: int, kv_heads: int, head_dim: int, q_norm
     f32 = y.dtype == torch.float32
     BM = max(16, triton.next_power_of_2(G))
     BN = BN or (64 if D <= 128 and not f32 else 32)
-    splits = num_splits or default_splits(B, kv_heads, block_tables.shape[1] * k_cache.shape[1],
-                                          BN)
+    splits = num_splits or _default_splits(B * kv_heads, block_tables.shape[1] * k_cache.shape[1],
+                                           BN)
     num_warps = num_warps or (8 if f32 or BM * BD > 4096 else 4)
     out = y.new_empty(B, 1, heads, D)
     if splits > 1:  # [B, 1, H, splits, D] and [B, 1, H, splits], as the merge kernel reads

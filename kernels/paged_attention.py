@@ -29,6 +29,21 @@ def _interpreting() -> bool:
 
 
 @triton.jit
+def kv_tile(k_ptr, v_ptr, bt_row, offs_n, m_n, offs_d, m_d, kvh, s_kn, s_kp, s_kh, s_vn, s_vp,
+            s_vh, BLOCK: tl.constexpr):
+    """K and V of positions offs_n (where m_n) through the lane's block table: [BN, BD].
+    Masked to zero: p = 0 times stale (even NaN) cache memory would still poison acc."""
+    page = tl.load(bt_row + offs_n // BLOCK, mask=m_n, other=0).to(tl.int64)
+    within = offs_n % BLOCK
+    m = m_n[:, None] & m_d[None, :]
+    k = tl.load(k_ptr + page[:, None] * s_kn + within[:, None] * s_kp + kvh * s_kh
+                + offs_d[None, :], mask=m, other=0.0)
+    v = tl.load(v_ptr + page[:, None] * s_vn + within[:, None] * s_vp + kvh * s_vh
+                + offs_d[None, :], mask=m, other=0.0)
+    return k, v
+
+
+@triton.jit
 def online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, F32_DOT: tl.constexpr):
     """One KV tile of flash attention: q [BM, BD], k, v [BN, BD], visible [BM, BN] (or
     broadcast to it); the running max m_i, sum l_i [BM] and output acc [BM, BD] updated."""
@@ -93,15 +108,8 @@ def _paged_attn_split_kernel(
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
     for j in range(lo, hi):
         offs_n = j * BN + tl.arange(0, BN)
-        m_n = offs_n < seq_len
-        page = tl.load(bt_row + offs_n // BLOCK, mask=m_n, other=0).to(tl.int64)
-        within = offs_n % BLOCK
-        m_kv = m_n[:, None] & m_d[None, :]
-        k = tl.load(k_ptr + page[:, None] * s_kn + within[:, None] * s_kp + kvh * s_kh
-                    + offs_d[None, :], mask=m_kv, other=0.0)  # k: [BN, BD]
-        # masked to zero: p = 0 times stale (even NaN) cache memory would still poison acc
-        v = tl.load(v_ptr + page[:, None] * s_vn + within[:, None] * s_vp + kvh * s_vh
-                    + offs_d[None, :], mask=m_kv, other=0.0)  # v: [BN, BD]
+        k, v = kv_tile(k_ptr, v_ptr, bt_row, offs_n, offs_n < seq_len, offs_d, m_d, kvh, s_kn,
+                       s_kp, s_kh, s_vn, s_vp, s_vh, BLOCK)  # k, v: [BN, BD]
         m_i, l_i, acc = online_softmax_step(q, k, v, offs_n[None, :] <= last[:, None], m_i, l_i,
                                             acc, qk_scale, F32_DOT)
 

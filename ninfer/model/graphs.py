@@ -177,7 +177,11 @@ class DecodeGraphs:
         B = len(lanes)
         S = next(s for s in SIZES if s >= B)
         W = next(w for w in WIDTHS if w >= max(len(x.attn_blocks) for x in lanes))
-        cap = self.graphs.get((S, W)) or self._capture(S, W)
+        cap = self.graphs.get((S, W))
+        if cap is None:
+            if tokens is None:  # a capture would reset the keys that feed this step
+                raise RuntimeError("a step fed from the greedy keys replays its step's graph")
+            cap = self._capture(S, W)
         i = cap.turn = (cap.turn + 1) % RING
         if cap.used_by[i] is not None:  # its last copies may still be in flight
             cap.used_by[i].synchronize()
@@ -232,10 +236,8 @@ class DecodeGraphs:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.inference_mode(), torch.cuda.stream(stream):
-            left = keys.clone()  # the keys another graph of S lanes left for the next step
             for _ in range(2):  # Triton compiles, cuBLAS picks its kernels: not in a graph
-                forward()
-            keys.copy_(left)
+                forward()  # (resets the keys: a step fed from them never captures, below)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):

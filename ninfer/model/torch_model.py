@@ -83,12 +83,6 @@ class PagedKV:
                 attn.k_norm.weight, attn.q_norm.eps, *cos_sin, self.k[layer], self.v[layer],
                 self.tables)
 
-    def _lengths_of(self, positions: Tensor) -> Tensor:
-        """Each lane's KV length after `positions` [B, T] (once per forward)."""
-        if self._lengths is None or self._lengths[0] is not positions:
-            self._lengths = (positions, positions[:, -1] + 1)
-        return self._lengths[1]
-
     def attend(self, layer: int, q: Tensor, positions: Tensor) -> Tensor | None:
         """Attention of q [B, T, H, D] at `positions` (consecutive per lane, already written)
         over the lane's KV by the device kernel; None where it does not apply (the CPU, a
@@ -97,8 +91,10 @@ class PagedKV:
         if dev is None or q.shape[1] > ATTEND_ON_DEVICE_UP_TO:
             return None
         k, v = self.k[layer], self.v[layer]
+        if self._lengths is None or self._lengths[0] is not positions:  # once per forward
+            self._lengths = (positions, positions[:, -1] + 1)
         return dev.attention(q.to(k.dtype).contiguous(), k, v, self.tables,
-                             self._lengths_of(positions)).to(q.dtype)
+                             self._lengths[1]).to(q.dtype)
 
     def read(self, layer: int, length: int) -> tuple[Tensor, Tensor]:
         n = -(-length // self.bs)
