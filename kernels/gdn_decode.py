@@ -24,6 +24,16 @@ L2_EPS = 1e-6  # as ninfer.model.gdn.l2_normalize: x * rsqrt(sum x^2 + eps)
 
 
 @triton.jit
+def _add2(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _add3(a0, b0, c0, a1, b1, c1):
+    return a0 + a1, b0 + b1, c0 + c1
+
+
+@triton.jit
 def _gdn_decode_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, idx_ptr, out_idx_ptr, states_ptr,
     T, scale,
@@ -59,6 +69,9 @@ def _gdn_decode_kernel(
     live = mkv & ((slot + offs_v * 0) >= 0)[None, :]
     p_s = state_ptr + slot * s_sn + h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :]
     S = tl.load(p_s, mask=live, other=0.0).to(tl.float32)  # S: [BK, BV]
+    if RAW_GATES:  # the gates' weights (never written by a kernel)
+        dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
+        a_rate = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     if EARLY:  # the state's DRAM round trip overlapped the previous kernel
         pdl.wait(PDL)
 
@@ -76,22 +89,25 @@ def _gdn_decode_kernel(
         if RAW_GATES:  # beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)
             ra = tl.load(ra_ptr + b * s_rab + t * s_rat + h * s_rah).to(tl.float32)
             rb = tl.load(rb_ptr + b * s_rbb + t * s_rbt + h * s_rbh).to(tl.float32)
-            x = ra + tl.load(dtb_ptr + h).to(tl.float32)
+            x = ra + dt_bias
             softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-            decay = tl.exp(-tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus)
+            decay = tl.exp(a_rate * softplus)
             beta = tl.sigmoid(rb)
         else:
             decay = tl.exp(tl.load(p_g + t * s_gt).to(tl.float32))
             beta = tl.load(p_b + t * s_bt).to(tl.float32)
+        # every sum over Dk in two reductions of the raw q and k (the L2 norms scale the
+        # sums after): both reads of the old state, [BV] each, then |q|^2, |k|^2 and q.k
+        read_k, read_q = tl.reduce((S * k[:, None], S * q[:, None]), 0, _add2)
+        qq, kk, qk = tl.reduce((q * q, k * k, q * k), 0, _add3)
+        rq = tl.full([1], scale, tl.float32)  # a compiled caller may pass scale as fp64
+        rk = tl.full([1], 1.0, tl.float32)
         if L2NORM:
-            q = q * tl.rsqrt(tl.sum(q * q, axis=0) + EPS)
-            k = k * tl.rsqrt(tl.sum(k * k, axis=0) + EPS)
-        q = (q * scale).to(tl.float32)  # a compiled caller may pass scale as fp64
-        # both reads of the old state in one pass over the tile: [BV] each
-        read_k = tl.sum(S * k[:, None], axis=0)
-        read_q = tl.sum(S * q[:, None], axis=0)
-        u = beta * (v - decay * read_k)
-        o = decay * read_q + tl.sum(q * k, axis=0) * u
+            rq = rq * tl.rsqrt(qq + EPS)
+            rk = rk * tl.rsqrt(kk + EPS)
+        k = k * rk
+        u = beta * (v - decay * (read_k * rk))
+        o = decay * (read_q * rq) + (qk * (rq * rk)) * u
         S = S * decay + k[:, None] * u[None, :]
         tl.store(p_o + t * s_ot, o.to(o_ptr.dtype.element_ty), mask=mv)
         if ALL_STATES:

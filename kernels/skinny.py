@@ -71,14 +71,16 @@ def tiles_for(M: int, N: int, K: int, glu: bool, device: torch.device) -> Tiles:
     if device.type != "cuda":  # the interpreter: as few programs as fit, each one step
         return Tiles(min(64, triton.next_power_of_2(N)), triton.next_power_of_2(K),
                      dot=M > 1)
-    if M == 1:  # the H200 sweep's best for anchor-1b's shapes (bench/results/skinny-h200.json)
+    if M == 1:  # the H200 sweep's best for anchor-1b's shapes (bench/results/skinny-h200.json),
+        # then each timed in the whole batch-1 decode graph (bench/NOTES.md): 527 -> 513 us
         if N <= 2048 and K <= 2048:  # back to the hidden size from 2K: 4 columns, 8 warps
-            # (timed in the whole batch-1 decode graph: 524 us, against 531 with 2 and 4 warps)
+            # (524 us, against 531 with 2 and 4 warps, and 536..592 with 1 or 2 warps)
             return Tiles(4, triton.next_power_of_2(K), 8)
-        if N <= 2048 and K <= 4096:  # from 3-4K: 2 columns a program, all of K
-            return Tiles(2, triton.next_power_of_2(K), 8)
-        if K <= 1024:  # the in-projections and the LM head: all of K in one step
-            return Tiles(4 if glu else 8, triton.next_power_of_2(K), 4)
+        if N <= 2048 and K <= 4096:  # from 3-4K: 2 columns a program, all of K, 4 warps
+            return Tiles(2, triton.next_power_of_2(K), 4)
+        if K <= 1024:  # the in-projections, gate/up and the LM head: all of K in one step,
+            # 2 warps (smaller programs pack the SMs tighter while the kernel before runs)
+            return Tiles(8 if N > 65536 else 4, triton.next_power_of_2(K), 2)
         return Tiles(4 if glu else 8, 512, 4)
     if N <= 2048:
         return Tiles(16, 256, 4, split=4 if K >= 3072 else 1, dot=True)

@@ -494,10 +494,11 @@ class Engine:
         lives = [x for x in lives if x.round is not None and x.request.id in self.live]
         items = [(x.lane, [x.request.sequence[-1], *x.round[2]], x.round[0]) for x in lives]
         # plain greedy decode: every lane that goes on feeds its greedy token next
-        ahead = self.mode.spec == "none" and all(isinstance(x.choice, GreedyChoice)
-                                                 for x in lives)
+        greedy = all(isinstance(x.choice, GreedyChoice) for x in lives)
+        ahead = self.mode.spec == "none" and greedy
+        logits = not greedy or any(x.request.params.logprobs > 0 for x in lives)
         try:
-            outs = self.runner.forward_many(items, ahead=ahead)
+            outs = self.runner.forward_many(items, ahead=ahead, logits=logits)
         except MissingStatePart:  # find the broken lane: one forward each
             outs = []
             for live, item in zip(lives, items, strict=True):

@@ -253,14 +253,16 @@ class Runner:
             probs.append(q)
         return drafts, probs
 
-    def forward_many(self, items: list[tuple[Lane, list[int], int]], ahead: bool = False
-                     ) -> list:
+    def forward_many(self, items: list[tuple[Lane, list[int], int]], ahead: bool = False,
+                     logits: bool = True) -> list:
         """Verify forwards for several lanes, batched when the model can. `ahead`: each
         lane that goes on will be fed its greedy token next (the model may start on that
-        step before this returns)."""
+        step before this returns). `logits` false: no lane reads them (greedy choices, no
+        log-probabilities), and under MTP neither hidden states, so the model may leave
+        both out."""
         batch = getattr(self.model, "forward_batch", None)
         if batch is not None:
-            outs = batch(items, per_position=True, ahead=ahead)
+            outs = batch(items, per_position=True, ahead=ahead, outputs=logits or self.mtp)
         else:
             outs = [self.model.forward(lane, tokens, start) for lane, tokens, start in items]
         for lane, _, _ in items:

@@ -74,14 +74,15 @@ class _Captured:
 class _Step:
     """One launched replay's outputs (copies, in launch order on the stream)."""
 
-    logits: Tensor        # [B, V]
-    hidden: Tensor        # [B, D]
+    logits: Tensor | None  # [B, V] (None: not copied out)
+    hidden: Tensor | None  # [B, D] (likewise)
     keys_host: Tensor     # pinned copy of the greedy keys (valid once `done` has completed)
     done: torch.cuda.Event
+    lanes: int
 
     def greedy(self) -> list[int]:
         self.done.synchronize()
-        return [_LOW - (k & _LOW) for k in self.keys_host[:self.logits.shape[0]].tolist()]
+        return [_LOW - (k & _LOW) for k in self.keys_host[:self.lanes].tolist()]
 
 
 @dataclass
@@ -118,12 +119,15 @@ class DecodeGraphs:
     def fits(lanes) -> bool:
         return len(lanes) <= SIZES[-1] and max(len(x.attn_blocks) for x in lanes) <= WIDTHS[-1]
 
-    def run(self, lanes, tokens: list[int], starts: list[int], ahead: bool = False
-            ) -> tuple[Tensor, Tensor, list[int]]:
-        """Logits [B, V], hidden states [B, D] (copies) and greedy tokens of one token per
-        lane; with `ahead`, the next step is launched before this returns."""
+    def run(self, lanes, tokens: list[int], starts: list[int], ahead: bool = False,
+            outputs: bool = True) -> tuple[Tensor | None, Tensor | None, list[int]]:
+        """Logits [B, V] and hidden states [B, D] (copies) and greedy tokens of one token
+        per lane; with `ahead`, the next step is launched before this returns. `outputs`
+        false: the caller reads only the greedy tokens, and logits and hidden states are
+        not copied out (None): each copy is a kernel between two replays."""
         pending, self.ahead = self.ahead, None
-        if pending is not None and self._asks_for(pending, lanes, tokens, starts):
+        if pending is not None and self._asks_for(pending, lanes, tokens, starts) \
+                and (pending.step.logits is not None or not outputs):
             for lane in lanes:  # its states are the lanes' states now
                 self.model.flip[lane.slot] ^= 1
             step = pending.step
@@ -131,9 +135,9 @@ class DecodeGraphs:
         else:
             if pending is not None:
                 self.dropped += 1
-            step = self._launch(lanes, starts, tokens, None)
+            step = self._launch(lanes, starts, tokens, None, outputs)
         if ahead and self.run_ahead:
-            self._run_ahead(step, lanes, starts)
+            self._run_ahead(step, lanes, starts, outputs)
         return step.logits, step.hidden, step.greedy()
 
     def drop_ahead(self, slot: int | None = None) -> None:
@@ -158,22 +162,23 @@ class DecodeGraphs:
         return all(lane.attn_blocks[:len(b)] == b for lane, b in zip(lanes, a.blocks,
                                                                      strict=True))
 
-    def _run_ahead(self, step: _Step, lanes, starts: list[int]) -> None:
+    def _run_ahead(self, step: _Step, lanes, starts: list[int], outputs: bool) -> None:
         bs = self.model.block_size
         nxt = [p + 1 for p in starts]
         if any(p // bs >= len(lane.attn_blocks) for lane, p in zip(lanes, nxt, strict=True)):
             return  # a lane's next position needs a block the engine has not given it yet
         dests = [self.model.twin(lane.slot) for lane in lanes]
-        ahead = self._launch(lanes, nxt, None, dests)
+        ahead = self._launch(lanes, nxt, None, dests, outputs)
         self.ahead = _Ahead(ahead, step, list(lanes), [lane.slot for lane in lanes], nxt,
                             [lane.attn_blocks[:p // bs + 1] for lane, p in
                              zip(lanes, nxt, strict=True)], self.model.fence())
 
     def _launch(self, lanes, starts: list[int], tokens: list[int] | None,
-                dests: list[int] | None) -> _Step:
-        """Stage the inputs, replay, and copy the outputs out. `tokens` None: each lane's
-        greedy token of the replay before (its key, left on the device); `dests` (None: in
-        place) are where the GDN states go."""
+                dests: list[int] | None, outputs: bool = True) -> _Step:
+        """Stage the inputs, replay, and copy the outputs out (logits and hidden states
+        only with `outputs`). `tokens` None: each lane's greedy token of the replay before
+        (its key, left on the device); `dests` (None: in place) are where the GDN states
+        go."""
         B = len(lanes)
         S = next(s for s in SIZES if s >= B)
         W = next(w for w in WIDTHS if w >= max(len(x.attn_blocks) for x in lanes))
@@ -201,12 +206,13 @@ class DecodeGraphs:
             tables[b, :len(lane.attn_blocks)] = lane.attn_blocks
         cap.inputs.copy_(staged, non_blocking=True)
         cap.graph.replay()
-        logits, hidden = cap.logits[:B, 0].clone(), cap.hidden[:B, 0].clone()
+        logits = cap.logits[:B, 0].clone() if outputs else None
+        hidden = cap.hidden[:B, 0].clone() if outputs else None
         keys_host[:B].copy_(cap.keys[:B], non_blocking=True)
         done = torch.cuda.Event()
         done.record()
         cap.used_by[i] = done
-        return _Step(logits, hidden, keys_host, done)
+        return _Step(logits, hidden, keys_host, done, B)
 
     def _capture(self, S: int, W: int) -> _Captured:
         m = self.model

@@ -220,13 +220,16 @@ class TorchModel:
 
     @torch.inference_mode()
     def forward_batch(self, items: Sequence[tuple[Lane, Sequence[int], int]],
-                      per_position: bool = True, ahead: bool = False) -> list[Forward]:
+                      per_position: bool = True, ahead: bool = False,
+                      outputs: bool = True) -> list[Forward]:
         """Several lanes' forwards; lanes feeding the same number of tokens share one batched
         call (decode and verify rounds of equal length). `per_position` keeps the recurrent
         state after every position (a verify's rollback is then a pick); a prefill keeps only
         the last, and takes the chunked GDN path. `ahead`: the caller will feed each lane
         its greedy token next if the lane goes on, so a one-token graph step launches the
-        next step before returning (`DecodeGraphs.run`)."""
+        next step before returning (`DecodeGraphs.run`). `outputs` false: the caller reads
+        only the greedy tokens, so a graph step may leave logits and hidden states out
+        (None)."""
         results: list[Forward | None] = [None] * len(items)
         groups: dict[int, list[int]] = {}
         for index, (_, tokens, _) in enumerate(items):
@@ -240,10 +243,10 @@ class TorchModel:
                 self._launched += 1
                 logits, hidden, greedy = self.graphs.run(
                     lanes, [items[m][1][0] for m in members], [items[m][2] for m in members],
-                    ahead=ahead)
-                for row, m in enumerate(members):
-                    results[m] = Forward([greedy[row]], [hidden[row]], _InPlace(),
-                                         logits[row:row + 1])
+                    ahead=ahead, outputs=outputs)
+                for row, m in enumerate(members):  # (None: outputs left out)
+                    results[m] = Forward([greedy[row]], [hidden[row] if outputs else None],
+                                         _InPlace(), logits[row:row + 1] if outputs else None)
                 continue
             ids = torch.tensor([list(items[m][1]) for m in members], device=self.device)
             starts = torch.tensor([items[m][2] for m in members], device=self.device)

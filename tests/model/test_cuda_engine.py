@@ -90,3 +90,33 @@ def test_a_step_run_ahead_is_taken_only_when_asked_for_and_leaves_nothing_when_d
             is None
     assert (fast.graphs.adopted, fast.graphs.dropped) == (21, 18)  # counted from the loop
     assert plain.graphs.adopted == plain.graphs.dropped == 0
+
+
+def test_a_step_without_outputs_copies_none_and_its_step_ahead_serves_only_its_like():
+    """A greedy step that reads only the greedy tokens (`outputs=False`) gets no logits or
+    hidden states; the step it runs ahead, also without them, is dropped by a caller that
+    wants them (and the step launched again gives the plain model's logits), and adopted by
+    one that does not. A step run ahead with them serves either."""
+    from ninfer.engine.model import Lane
+    make = _factory(True)
+    fast, plain = make(16, 16, 4), make(16, 16, 4)
+    lane = {m: Lane(slot=1, attn_blocks=[4, 5, 6, 7]) for m in (fast, plain)}
+    for m in (fast, plain):
+        m.init_slot(lane[m])
+    token = 3
+    for pos, outputs in enumerate([False, True, False, False, True, True]):
+        got = fast.forward_batch([(lane[fast], [token], pos)], ahead=True, outputs=outputs)[0]
+        want = plain.forward_batch([(lane[plain], [token], pos)])[0]
+        for m, out in ((fast, got), (plain, want)):
+            m.accept(lane[m], out.states[0])
+        assert got.greedy == want.greedy
+        assert (got.logits is None) == (got.hidden == [None]) == (not outputs)
+        if outputs:
+            torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(got.hidden[0], want.hidden[0], atol=1e-4, rtol=1e-4)
+        token = want.greedy[0]
+    # steps run ahead without outputs, at 0 and 3, dropped by the callers wanting them at
+    # 1 and 4; the others adopted
+    assert (fast.graphs.adopted, fast.graphs.dropped) == (3, 2)
+    assert fast.parts_match(fast.read_parts(lane[fast], 6, 0),
+                            plain.read_parts(lane[plain], 6, 0)) is None

@@ -82,6 +82,16 @@ def test_sigkill_mid_stream_then_restart(tmp_path, capsys):
     assert sum(e["kind"] == "ServerStarted" for e in events) == 2
 
 
+def _positions(folder) -> set[int]:
+    """The positions the durable endpoint files in `folder` cover (whole files only)."""
+    found = set()
+    for f in folder.glob("*.safetensors"):
+        raw = f.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        found.add(int(json.loads(raw[8:8 + n])["__metadata__"]["position"]))
+    return found
+
+
 def test_sigkill_then_restart_resumes_with_reuse_from_durable_endpoints(tmp_path):
     port, folder = _free_port(), tmp_path / "endpoints"
     proc = _serve(tmp_path, port, "--persist-endpoints", str(folder))
@@ -91,10 +101,14 @@ def test_sigkill_then_restart_resumes_with_reuse_from_durable_endpoints(tmp_path
     try:
         first = httpx.post(timeout=60, **body)
         assert first.status_code == 200
-        deadline = time.monotonic() + 30  # written in the background: wait for the file
-        while not list(folder.glob("*.safetensors")) and time.monotonic() < deadline:
+        usage = first.json()["usage"]
+        whole = usage["prompt_tokens"] + usage["completion_tokens"] - 1
+        # written in the background, an earlier endpoint of the turn (a prefill chunk's)
+        # maybe first: wait for the file of the one that covers the whole turn
+        deadline = time.monotonic() + 30
+        while whole not in _positions(folder) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert list(folder.glob("*.safetensors"))
+        assert whole in _positions(folder)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
     finally:
@@ -109,9 +123,7 @@ def test_sigkill_then_restart_resumes_with_reuse_from_durable_endpoints(tmp_path
         second = httpx.post(timeout=60, **body)
         assert second.status_code == 200
         # everything the first turn computed, its prompt and output but the last token
-        usage = first.json()["usage"]
-        assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == (
-            usage["prompt_tokens"] + usage["completion_tokens"] - 1)
+        assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == whole
     finally:
         proc.terminate()
         proc.wait(10)
