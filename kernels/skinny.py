@@ -74,7 +74,7 @@ def tiles_for(M: int, N: int, K: int, glu: bool, device: torch.device) -> Tiles:
     if M == 1:  # the H200 sweep's best for anchor-1b's shapes (bench/results/skinny-h200.json),
         # then each timed in the whole batch-1 decode graph (bench/NOTES.md): 527 -> 513 us
         if N <= 2048 and K <= 2048:  # back to the hidden size from 2K: 4 columns, 8 warps
-            # (524 us, against 531 with 2 and 4 warps, and 536..592 with 1 or 2 warps)
+            # (524 us, against 531 with 4 warps; 1 or 2 warps at 1 to 4 columns: 536..592)
             return Tiles(4, triton.next_power_of_2(K), 8)
         if N <= 2048 and K <= 4096:  # from 3-4K: 2 columns a program, all of K, 4 warps
             return Tiles(2, triton.next_power_of_2(K), 4)

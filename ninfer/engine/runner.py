@@ -257,9 +257,9 @@ class Runner:
                      logits: bool = True) -> list:
         """Verify forwards for several lanes, batched when the model can. `ahead`: each
         lane that goes on will be fed its greedy token next (the model may start on that
-        step before this returns). `logits` false: no lane reads them (greedy choices, no
-        log-probabilities), and under MTP neither hidden states, so the model may leave
-        both out."""
+        step before this returns). `logits` false: no lane reads the logits (greedy
+        choices, no log-probabilities), so the model may leave them out, and the hidden
+        states too unless the MTP head reads them."""
         batch = getattr(self.model, "forward_batch", None)
         if batch is not None:
             outs = batch(items, per_position=True, ahead=ahead, outputs=logits or self.mtp)
