@@ -137,6 +137,10 @@ def load(args: argparse.Namespace) -> Loaded:
     om = open_model(args.model, dtype=args.dtype, device=args.device,
                     kv_capacity=args.kv_capacity, num_slots=args.state_slots,
                     mtp=args.spec == "mtp")
+    if args.spec != "none" and getattr(om.model, "graphs", None) is not None:
+        log.warning("--spec %s on %s: verify forwards and drafts run outside CUDA graphs, "
+                    "slower than plain decode there (bench/results/engine-h200.json); "
+                    "--spec none is the fast path", args.spec, args.device)
     config = EngineConfig(max_concurrency=args.max_concurrency, prefill_chunk=args.prefill_chunk,
                           spec=args.spec, draft_tokens=args.draft_tokens,
                           max_endpoints=args.max_endpoints,
