@@ -15,6 +15,7 @@ transformers + fla on the same weights, each measured in the run that reports it
 
 from __future__ import annotations
 
+import inspect
 import sys
 import time
 from pathlib import Path
@@ -147,11 +148,7 @@ def baseline(json_path: str | None = None) -> int:
     bound = _bind_fla(module)
     path = anchor_dir()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    layer = model.model.layers[0].linear_attn  # what the layer calls, as bound at its init
-    kernels = {name: getattr(getattr(layer, name, getattr(module, name, None)), "__module__",
-                             None)
-               for name in ("chunk_gated_delta_rule", "recurrent_gated_delta_rule",
-                            "fused_recurrent_gated_delta_rule", "causal_conv1d_update")}
+    kernels = _implementations(model.model.layers[0].linear_attn, module)
     r: dict = {"transformers": transformers.__version__, "kernels": kernels, "bound": bound,
                "fast_path": bool(getattr(module, "is_fast_path_available", False))}
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -173,6 +170,24 @@ def baseline(json_path: str | None = None) -> int:
         r["prefill_4k_tok_s"] = 4096 / seconds
     _write("baseline", r, json_path)
     return 0
+
+
+def _implementations(layer, module) -> dict[str, str | None]:
+    """Which module implements each GDN function the layer calls (None: not there). In
+    transformers 4.x the layer holds fla's functions, bound at its init; in 5.x the module's
+    torch functions are wrapped, at import, around the package's (fla, causal_conv1d) when it
+    imports, and the wrapper keeps it as `implementation`."""
+    found = {}
+    for name in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
+                 "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
+                 "causal_conv1d_update", "causal_conv1d_fn"):
+        f = getattr(layer, name, None) or getattr(module, name, None)
+        if f is None:
+            continue
+        if getattr(f, "__closure__", None):
+            f = inspect.getclosurevars(f).nonlocals.get("implementation", f)
+        found[name] = getattr(f, "__module__", None)
+    return found
 
 
 def _bind_fla(module) -> list[str]:
