@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from kernels import device_kernels
-from kernels.greedy import KEY_NONE
+from kernels.greedy import KEY_NONE, token_of
 
 from .gdn import SlotGDNState
 from .hybrid import HybridState
@@ -51,7 +51,6 @@ from .layers import _inv_freq
 SIZES = (1, 2, 4, 8)
 WIDTHS = (64, 256, 1024, 4096, 16384)   # block-table columns (x block_size positions)
 RING = 3   # pinned staging buffers per graph: reused only once their step has completed
-_LOW = 0xFFFFFFFF  # a greedy key's low word is _LOW - token (`kernels.greedy`)
 
 
 @dataclass
@@ -82,7 +81,7 @@ class _Step:
 
     def greedy(self) -> list[int]:
         self.done.synchronize()
-        return [_LOW - (k & _LOW) for k in self.keys_host[:self.lanes].tolist()]
+        return token_of(self.keys_host[:self.lanes]).tolist()
 
 
 @dataclass

@@ -12,6 +12,7 @@ import time
 
 import httpx
 
+from ninfer.engine.durable import _metadata
 from ninfer.tools.journal import main as journal_main
 
 
@@ -86,9 +87,7 @@ def _positions(folder) -> set[int]:
     """The positions the durable endpoint files in `folder` cover (whole files only)."""
     found = set()
     for f in folder.glob("*.safetensors"):
-        raw = f.read_bytes()
-        n = int.from_bytes(raw[:8], "little")
-        found.add(int(json.loads(raw[8:8 + n])["__metadata__"]["position"]))
+        found.add(int(_metadata(f.read_bytes())["position"]))
     return found
 
 
