@@ -5,17 +5,20 @@ several sequences of any lengths packed into one launch per stage.
 Three stages:
 
 1. One program per (chunk, value head): the chunk-local cumulative decay G, the strictly
-   lower [64, 64] system A = beta K K^T * exp(G_i - G_j), its unit lower-triangular inverse
-   X = (I + A)^-1 by 16 x 16 blocks (the four diagonal ones by forward substitution, the
-   rest by block substitution), W = X (beta exp(G) K) and U = X (beta V). By default two
-   launches (`GDNChunkConfig.wy_split`): `_solve_kernel` builds A's ten blocks straight from
-   16-row key tiles with one or two warps and writes X; `_wu_kernel` reads it back for W
-   and U. `_wy_kernel` does it all in one launch, cutting the blocks out of [64, 64]
-   registers (1.22 ms against 0.98 at T = 16K on the H200).
+   lower [64, 64] system A = beta K K^T * exp(G_i - G_j) and its unit lower-triangular
+   inverse X = (I + A)^-1 by 16 x 16 blocks (the four diagonal ones by forward
+   substitution, the rest by block substitution). By default (`GDNChunkConfig.wy_split`
+   and `corrections_from_x`) that is all: `_solve_kernel` builds A's ten blocks straight
+   from 16-row key tiles with one or two warps and writes X. Without `corrections_from_x`
+   `_wu_kernel` reads X back for W = X (beta exp(G) K) and U = X (beta V); without
+   `wy_split`, `_wy_kernel` does it all in one launch, cutting the blocks out of [64, 64]
+   registers (with W and U from stage 1: 1.22 ms against 0.98 split, T = 16K, H200).
 2. `_state_kernel`, one program per (sequence, value head, Dv tile): the only sequential
    loop, over the sequence's chunks, carrying the state tile in registers. Per chunk it
-   records the state at the chunk's start, turns U into the corrections V' = U - W S in
-   place, and moves S to the chunk's end.
+   records the state at the chunk's start, makes the corrections
+   V' = X beta (V - exp(G) K S) (= U - W S) into u, and moves S to the chunk's end. At
+   T = 16K on the H200 that is 0.88 ms in all against 1.01 with W and U from stage 1:
+   one product more on the chain through S, 0.5 GB less written and read back.
 3. `_output_kernel`, one program per (chunk, value head, Dv tile):
    o = scale * (exp(G) Q S_start + (Q K^T * exp(G_i - G_j), causal) V').
 
@@ -42,21 +45,27 @@ class GDNChunkConfig:
     """Launch tunables (block sizes are powers of two >= 16, clipped to the head dims).
     The defaults are meant for H100 / H200 with Dk = Dv = 128."""
 
-    wy_block_k: int = 64  # Dk tile of stage 1's loops
-    wy_block_v: int = 64  # Dv tile of stage 1's U loop
+    wy_block_k: int = 64  # Dk tile of W's and U's loops (`_wu_kernel`, `_wy_kernel`)
+    wy_block_v: int = 64  # Dv tile of U's loop
     wy_warps: int = 4
-    # stage 1 as two launches: `_solve_kernel` builds A by its ten [16, 16] blocks straight
-    # from 16-row key tiles and writes X (no [64, 64] relayouts, few warps), `_wu_kernel`
-    # reads X back for W and U. On the H200 at T = 16K: 0.98 ms in all against 1.22 with
-    # the one-launch `_wy_kernel` (bench/results/gdn-sweep-h200.json)
+    # stage 1 split: `_solve_kernel` builds A by its ten [16, 16] blocks straight from
+    # 16-row key tiles and writes X (no [64, 64] relayouts, few warps); W and U, when made
+    # (see corrections_from_x), by `_wu_kernel` from X read back. Not split: the
+    # one-launch `_wy_kernel`, which always makes W and U. On the H200 at T = 16K:
+    # 0.88 ms in all against 1.25 (bench/results/gdn-sweep-h200.json)
     wy_split: bool = True
     # warps of a solve program; None: 1 from 4096 programs up (T = 16K, 32 value heads:
-    # 0.98 ms in all against 1.10 with 2 on the H200), else 2 (T = 4K: 0.29 ms against 0.38;
-    # bench/results/gdn-sweep-h200.json)
+    # 0.88 ms in all against 1.00 with 2 on the H200), else 2 (measured with W and U from
+    # stage 1, T = 4K: 0.29 ms against 0.38)
     solve_warps: int | None = None
     solve_block_k: int = 64  # Dk tile of the solve's key loop
     state_block_v: int = 32  # Dv tile of one state program: Dv / 32 * N * Hv programs
     state_warps: int = 4
+    # stage 2 makes the corrections V' = X beta (V - exp(G) K S) from the solve's X, K and
+    # V (no `_wu_kernel`, no W or U written and read back); else V' = U - W S from stage
+    # 1's W and U. Needs wy_split. On the H200 at T = 16K: 0.88 ms in all against 1.02,
+    # and as close to the float32 reference as fla (bench/results/gdn-sweep-h200.json)
+    corrections_from_x: bool = True
     # software pipelining of the chunk loop's loads (3: 7% faster than 2 at T = 16K on the
     # H200, bench/results/gdn-sweep-h200.json)
     state_stages: int = 3
@@ -293,41 +302,15 @@ def _decayed(a, G_i, G_j, b_i, DIAGONAL: tl.constexpr):
 
 
 @triton.jit
-def _solve_kernel(k, g, beta, chunk_start, chunk_end, g_cum, x_buf,
-                  T, NT, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh,
-                  HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr,
-                  BDK: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
-                  EMULATE: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr):
-    """Stage 1 split, first half, program (chunk c, value head h): g_cum = G and X =
-    (I + A)^-1 into x_buf [rows, HV, 64] (its blocks on and below the diagonal, in DT).
-    A is built by its ten [16, 16] blocks from the chunk's four 16-row key tiles, so no
-    block is ever cut out of a [64, 64] tensor."""
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    kh = h // GROUP
-    r0, end = _chunk_bounds(c, chunk_start, chunk_end, T, NT, VARLEN)
+def _chunk_kkt(k, r0, end, kh, s_kt, s_kh, DK: tl.constexpr, BDK: tl.constexpr,
+               BK: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """The ten [16, 16] blocks on and below the diagonal of K K^T for the chunk of rows
+    r0.. (end: its sequence's end), from its four 16-row key tiles of key head kh, so no
+    block is ever cut out of a [64, 64] tensor (1-based, as in the module docstring)."""
     r = tl.arange(0, 16)
     rows1, rows2, rows3, rows4 = r0 + r, r0 + 16 + r, r0 + 32 + r, r0 + 48 + r
     m1, m2, m3, m4 = rows1 < end, rows2 < end, rows3 < end, rows4 < end
-    g1 = tl.load(g + rows1 * s_gt + h * s_gh, mask=m1, other=0.0).to(tl.float32)
-    g2 = tl.load(g + rows2 * s_gt + h * s_gh, mask=m2, other=0.0).to(tl.float32)
-    g3 = tl.load(g + rows3 * s_gt + h * s_gh, mask=m3, other=0.0).to(tl.float32)
-    g4 = tl.load(g + rows4 * s_gt + h * s_gh, mask=m4, other=0.0).to(tl.float32)
-    # the chunk's cumulative log-decay, by 16-row tiles (flat past the end)
-    G1 = tl.cumsum(g1, 0)
-    G2 = tl.cumsum(g2, 0) + tl.sum(g1, 0)
-    G3 = tl.cumsum(g3, 0) + tl.sum(g1, 0) + tl.sum(g2, 0)
-    G4 = tl.cumsum(g4, 0) + tl.sum(g1, 0) + tl.sum(g2, 0) + tl.sum(g3, 0)
-    tl.store(g_cum + rows1 * HV + h, G1, mask=m1)
-    tl.store(g_cum + rows2 * HV + h, G2, mask=m2)
-    tl.store(g_cum + rows3 * HV + h, G3, mask=m3)
-    tl.store(g_cum + rows4 * HV + h, G4, mask=m4)
-    b1 = tl.load(beta + rows1 * s_bt + h * s_bh, mask=m1, other=0.0).to(tl.float32)
-    b2 = tl.load(beta + rows2 * s_bt + h * s_bh, mask=m2, other=0.0).to(tl.float32)
-    b3 = tl.load(beta + rows3 * s_bt + h * s_bh, mask=m3, other=0.0).to(tl.float32)
-    b4 = tl.load(beta + rows4 * s_bt + h * s_bh, mask=m4, other=0.0).to(tl.float32)
-
-    # the blocks of K K^T on and below the diagonal (1-based, as in the module docstring)
     a11 = tl.zeros([16, 16], dtype=tl.float32)
     a21, a22 = a11, a11
     a31, a32, a33 = a11, a11, a11
@@ -350,6 +333,36 @@ def _solve_kernel(k, g, beta, chunk_start, chunk_end, g_cum, x_buf,
         a42 = tl.dot(k4, tl.trans(k2), a42, input_precision=PRECISION)
         a43 = tl.dot(k4, tl.trans(k3), a43, input_precision=PRECISION)
         a44 = tl.dot(k4, tl.trans(k4), a44, input_precision=PRECISION)
+    return a11, a21, a22, a31, a32, a33, a41, a42, a43, a44
+
+
+@triton.jit
+def _solve_head(g, beta, g_cum, x_buf, r0, end, h, s_gt, s_gh, s_bt, s_bh,
+                a11, a21, a22, a31, a32, a33, a41, a42, a43, a44,
+                HV: tl.constexpr, EMULATE: tl.constexpr):
+    """Value head h of the chunk of rows r0..: g_cum = G, and X = (I + A)^-1 into x_buf
+    from the blocks of K K^T (decayed and scaled by beta here): X's diagonal blocks by
+    forward substitution, the others by block substitution (`_off_diagonal`)."""
+    r = tl.arange(0, 16)
+    rows1, rows2, rows3, rows4 = r0 + r, r0 + 16 + r, r0 + 32 + r, r0 + 48 + r
+    m1, m2, m3, m4 = rows1 < end, rows2 < end, rows3 < end, rows4 < end
+    g1 = tl.load(g + rows1 * s_gt + h * s_gh, mask=m1, other=0.0).to(tl.float32)
+    g2 = tl.load(g + rows2 * s_gt + h * s_gh, mask=m2, other=0.0).to(tl.float32)
+    g3 = tl.load(g + rows3 * s_gt + h * s_gh, mask=m3, other=0.0).to(tl.float32)
+    g4 = tl.load(g + rows4 * s_gt + h * s_gh, mask=m4, other=0.0).to(tl.float32)
+    # the chunk's cumulative log-decay, by 16-row tiles (flat past the end)
+    G1 = tl.cumsum(g1, 0)
+    G2 = tl.cumsum(g2, 0) + tl.sum(g1, 0)
+    G3 = tl.cumsum(g3, 0) + tl.sum(g1, 0) + tl.sum(g2, 0)
+    G4 = tl.cumsum(g4, 0) + tl.sum(g1, 0) + tl.sum(g2, 0) + tl.sum(g3, 0)
+    tl.store(g_cum + rows1 * HV + h, G1, mask=m1)
+    tl.store(g_cum + rows2 * HV + h, G2, mask=m2)
+    tl.store(g_cum + rows3 * HV + h, G3, mask=m3)
+    tl.store(g_cum + rows4 * HV + h, G4, mask=m4)
+    b1 = tl.load(beta + rows1 * s_bt + h * s_bh, mask=m1, other=0.0).to(tl.float32)
+    b2 = tl.load(beta + rows2 * s_bt + h * s_bh, mask=m2, other=0.0).to(tl.float32)
+    b3 = tl.load(beta + rows3 * s_bt + h * s_bh, mask=m3, other=0.0).to(tl.float32)
+    b4 = tl.load(beta + rows4 * s_bt + h * s_bh, mask=m4, other=0.0).to(tl.float32)
     a11 = _decayed(a11, G1, G1, b1, True)
     a22 = _decayed(a22, G2, G2, b2, True)
     a33 = _decayed(a33, G3, G3, b3, True)
@@ -360,7 +373,6 @@ def _solve_kernel(k, g, beta, chunk_start, chunk_end, g_cum, x_buf,
     a41 = _decayed(a41, G4, G1, b4, False)
     a42 = _decayed(a42, G4, G2, b4, False)
     a43 = _decayed(a43, G4, G3, b4, False)
-
     x11, x22, x33, x44 = _invert16(a11), _invert16(a22), _invert16(a33), _invert16(a44)
     x21, x31, x32, x41, x42, x43 = _off_diagonal(x11, x22, x33, x44, a21, a31, a32, a41, a42,
                                                  a43)
@@ -378,14 +390,32 @@ def _solve_kernel(k, g, beta, chunk_start, chunk_end, g_cum, x_buf,
 
 
 @triton.jit
+def _solve_kernel(k, g, beta, chunk_start, chunk_end, g_cum, x_buf,
+                  T, NT, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh,
+                  HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr,
+                  BDK: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
+                  EMULATE: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr):
+    """Stage 1 split, first half, program (chunk c, value head h): g_cum = G and X =
+    (I + A)^-1 into x_buf [rows, HV, 64] (its blocks on and below the diagonal, in DT)."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    r0, end = _chunk_bounds(c, chunk_start, chunk_end, T, NT, VARLEN)
+    a11, a21, a22, a31, a32, a33, a41, a42, a43, a44 = _chunk_kkt(
+        k, r0, end, h // GROUP, s_kt, s_kh, DK, BDK, BK, DT, EMULATE, PRECISION)
+    _solve_head(g, beta, g_cum, x_buf, r0, end, h, s_gt, s_gh, s_bt, s_bh,
+                a11, a21, a22, a31, a32, a33, a41, a42, a43, a44, HV, EMULATE)
+
+
+@triton.jit
 def _wu_kernel(k, v, beta, g_cum, x_buf, chunk_start, chunk_end, w, u,
                T, NT, s_kt, s_kh, s_vt, s_vh, s_bt, s_bh,
                HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                BDK: tl.constexpr, BDV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                DT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
                VARLEN: tl.constexpr):
-    """Stage 1 split, second half, program (chunk c, value head h): w and u as `_wy_kernel`
-    makes them, from the X that `_solve_kernel` wrote (zero above its diagonal blocks)."""
+    """Stage 1 split, second half (unless stage 2 makes the corrections), program (chunk c,
+    value head h): w and u as `_wy_kernel` makes them, from the X that `_solve_kernel`
+    wrote (zero above its diagonal blocks)."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     kh = h // GROUP
@@ -401,14 +431,17 @@ def _wu_kernel(k, v, beta, g_cum, x_buf, chunk_start, chunk_end, w, u,
 
 
 @triton.jit
-def _state_kernel(k, w, u, g_cum, h_buf, h0, ht, cu, chunk_offsets, T, NT, s_kt, s_kh,
+def _state_kernel(k, v, beta, w, u, x_buf, g_cum, h_buf, h0, ht, cu, chunk_offsets, T, NT,
+                  s_kt, s_kh, s_vt, s_vh, s_bt, s_bh,
                   HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                   BDK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
                   EMULATE: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr,
-                  HAS_H0: tl.constexpr, STORE_HT: tl.constexpr):
+                  HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, FROM_X: tl.constexpr):
     """Stage 2, program (sequence n * HV + value head h, Dv tile iv): for each chunk in
-    order, h_buf[chunk] = S (the state at its start), u <- u - w S (in place), then
-    S <- exp(G_last) S + (K exp(G_last - G))^T u. ht[n, h] = the final S."""
+    order, h_buf[chunk] = S (the state at its start), the corrections V' = U - W S into u,
+    then S <- exp(G_last) S + (K exp(G_last - G))^T V'. ht[n, h] = the final S.
+    FROM_X (`GDNChunkConfig.corrections_from_x`): V' = X beta (V - exp(G) K S), from the
+    X of `_solve_kernel`, K and V; else U - W S from stage 1's W and U."""
     nh = tl.program_id(0)
     iv = tl.program_id(1)
     n = nh // HV
@@ -433,6 +466,7 @@ def _state_kernel(k, w, u, g_cum, h_buf, h0, ht, cu, chunk_offsets, T, NT, s_kt,
     if HAS_H0:
         S = tl.load(h0 + nh.to(tl.int64) * DK * DV + s_off, mask=sm, other=0.0).to(tl.float32)
     t = tl.arange(0, 64)
+    blocks = (t[:, None] // 16) >= (t[None, :] // 16)  # X's blocks on and below the diagonal
     kbase = k + kh * s_kh
     for j in range(0, n_chunks):
         r0 = bos + j * 64
@@ -441,18 +475,32 @@ def _state_kernel(k, w, u, g_cum, h_buf, h0, ht, cu, chunk_offsets, T, NT, s_kt,
         s_op = _operand(S, DT, EMULATE)
         tl.store(h_buf + ((c0 + j) * HV + h) * DK * DV + s_off,
                  s_op.to(h_buf.dtype.element_ty), mask=sm)
-        w_c = _operand(_load_tile(w + h * DK, rows, rm, HV * DK, kr, km), DT, EMULATE)
-        u_c = _load_tile(u + h * DV, rows, rm, HV * DV, vc, vm)  # [64, BV]
-        # v_new = u - w S: [64, BDK] @ [BDK, BV]
-        v_new = u_c.to(tl.float32) - tl.dot(w_c, s_op, input_precision=PRECISION)
-        _store_tile(u + h * DV, rows, rm, HV * DV, vc, vm, v_new, EMULATE)
         g_last = tl.load(g_cum + tl.minimum(r0 + 63, end - 1) * HV + h)
         g_c = tl.load(g_cum + rows * HV + h, mask=rm, other=0.0)  # [64]
+        if not FROM_X:
+            w_c = _operand(_load_tile(w + h * DK, rows, rm, HV * DK, kr, km), DT, EMULATE)
+            u_c = _load_tile(u + h * DV, rows, rm, HV * DV, vc, vm)  # [64, BV]
+            # v_new = u - w S: [64, BDK] @ [BDK, BV]
+            v_new = u_c.to(tl.float32) - tl.dot(w_c, s_op, input_precision=PRECISION)
+            k_t = tl.load(kbase + rows[None, :] * s_kt + kr[:, None],
+                          mask=km[:, None] & rm[None, :], other=0.0)  # [BDK, 64]: K^T
+            k_t = _operand(k_t, DT, EMULATE)
+        else:
+            k_c = _operand(_load_tile(kbase, rows, rm, s_kt, kr, km), DT, EMULATE)
+            x_c = _operand(tl.load(x_buf + h * 64 + rows[:, None] * (HV * 64) + t[None, :],
+                                   mask=rm[:, None] & blocks, other=0.0), DT, EMULATE)
+            b_c = tl.load(beta + rows * s_bt + h * s_bh, mask=rm, other=0.0).to(tl.float32)
+            v_c = _load_tile(v + h * s_vh, rows, rm, s_vt, vc, vm).to(tl.float32)
+            ks = tl.dot(k_c, s_op, input_precision=PRECISION)  # [64, BV]: K S
+            # V' = U - W S = X beta (V - exp(G) K S): one product more on the chain through
+            # S, but no W or U written by stage 1 and read back here
+            y = (v_c - ks * tl.exp(g_c)[:, None]) * b_c[:, None]
+            v_new = tl.dot(x_c, _operand(y, DT, EMULATE), input_precision=PRECISION)
+            k_t = tl.trans(k_c)
+        _store_tile(u + h * DV, rows, rm, HV * DV, vc, vm, v_new, EMULATE)
         v_dec = v_new * tl.where(rm, tl.exp(g_last - g_c), 0.0)[:, None]
-        k_t = tl.load(kbase + rows[None, :] * s_kt + kr[:, None],
-                      mask=km[:, None] & rm[None, :], other=0.0)  # [BDK, 64]: K^T
-        S = tl.dot(_operand(k_t, DT, EMULATE), _operand(v_dec, DT, EMULATE),
-                   S * tl.exp(g_last), input_precision=PRECISION)
+        S = tl.dot(k_t, _operand(v_dec, DT, EMULATE), S * tl.exp(g_last),
+                   input_precision=PRECISION)
     if STORE_HT:
         tl.store(ht + nh.to(tl.int64) * DK * DV + s_off, S, mask=sm)
 
@@ -621,10 +669,12 @@ def chunk_gated_delta_rule(
         n_slots = B * NT
 
     g_cum = torch.empty(rows, Hv, dtype=torch.float32, device=device)  # G per packed row
-    w = torch.empty(rows, Hv, Dk, dtype=dot_torch, device=device)
+    from_x = cfg.corrections_from_x and cfg.wy_split
+    w = torch.empty(0 if from_x else rows, Hv, Dk, dtype=dot_torch, device=device)
     u = torch.empty(rows, Hv, Dv, dtype=dot_torch, device=device)  # U, then V' in place
     h_buf = torch.empty(max(n_slots, 1), Hv, Dk, Dv, dtype=dot_torch, device=device)
 
+    x_buf = None
     if rows > 0:
         rows_of = dict(T=T, NT=NT, s_kt=k.stride(1), s_kh=k.stride(2), s_bt=beta.stride(1),
                        s_bh=beta.stride(2), BDK=BDK, chunk_start=chunk_start,
@@ -634,18 +684,21 @@ def chunk_gated_delta_rule(
                    num_warps=cfg.wy_warps, **rows_of, **common)
         gates = dict(g=g, s_gt=g.stride(1), s_gh=g.stride(2))
         if cfg.wy_split:
-            x_buf = torch.empty(rows, Hv, CHUNK, dtype=dot_torch, device=device)
             warps = cfg.solve_warps or (1 if n_slots * Hv >= 4096 else 2)
+            x_buf = torch.empty(rows, Hv, CHUNK, dtype=dot_torch, device=device)
             _solve_kernel[(n_slots, Hv)](
                 x_buf=x_buf, BK=_block(Dk, cfg.solve_block_k), num_warps=warps,
                 **gates, **rows_of, **{n: x for n, x in common.items() if n != "DV"})
-            _wu_kernel[(n_slots, Hv)](x_buf=x_buf, **w_u)
+            if not from_x:
+                _wu_kernel[(n_slots, Hv)](x_buf=x_buf, **w_u)
         else:
             _wy_kernel[(n_slots, Hv)](**gates, **w_u)
     sbv = _block(Dv, cfg.state_block_v)
     _state_kernel[(N * Hv, triton.cdiv(Dv, sbv))](
-        k, w, u, g_cum, h_buf, h0, ht, cu, chunk_offsets, T, NT, k.stride(1), k.stride(2),
+        k, v, beta, w, u, x_buf, g_cum, h_buf, h0, ht, cu, chunk_offsets, T, NT,
+        k.stride(1), k.stride(2), v.stride(1), v.stride(2), beta.stride(1), beta.stride(2),
         BDK=BDK, BV=sbv, HAS_H0=h0 is not None, STORE_HT=ht is not None,
+        FROM_X=from_x and rows > 0,
         num_warps=cfg.state_warps, num_stages=cfg.state_stages, **common)
     if rows > 0:
         obv = _block(Dv, cfg.out_block_v)

@@ -19,13 +19,11 @@ from .report import write_line
 
 CONFIGS = {  # changes to DEFAULT_CONFIG (split stage 1, solve warps by program count)
     "default": {},
+    "w_u": {"corrections_from_x": False},  # W and U from stage 1 (`_wu_kernel`)
     "fused": {"wy_split": False},
-    "fused_wy2": {"wy_split": False, "wy_warps": 2},
-    "s1": {"solve_warps": 1},
     "s2": {"solve_warps": 2},
-    "s1_bk32": {"solve_warps": 1, "solve_block_k": 32},
-    "s1_bk128": {"solve_warps": 1, "solve_block_k": 128},
-    "wu128": {"wy_block_k": 128, "wy_block_v": 128},
+    "state_bv16": {"state_block_v": 16},
+    "state_w8": {"state_warps": 8},
     "state_stages4": {"state_stages": 4},
 }
 
@@ -34,12 +32,16 @@ def sweep() -> dict:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla
 
     from kernels.gdn_chunk import chunk_gated_delta_rule as ours
+    from kernels.gdn_reference import chunk_gated_delta_rule as reference
 
-    from .kernels import _bench, _gdn_inputs
+    from .kernels import _bench, _gdn_inputs, _rel
     out: dict = {}
     for T in (4096, 16384):
         args = _gdn_inputs(1, T)  # q, k, v, g, beta
         o_fla, s_fla = fla(*args, output_final_state=True)
+        q, k, v, g, beta = args
+        o_ref, _ = reference(q.float(), k.float(), v.float(), g, beta)
+        out[f"T{T}_fla_err_vs_reference"] = _rel(o_fla, o_ref)
         fla_ms = _bench(lambda a=args: fla(*a, output_final_state=True))
         for name, change in CONFIGS.items():
             cfg = dataclasses.replace(DEFAULT_CONFIG, **change)
@@ -52,11 +54,12 @@ def sweep() -> dict:
                 print(f"  {key}: {out[key]['error']}", file=sys.stderr)
                 continue
             out[key] = {"config": change, "ms": ms, "fla_ms": fla_ms, "ours_over_fla": fla_ms / ms,
-                        "err": float((o.float() - o_fla.float()).abs().max()
-                                     / o_fla.float().abs().max()),
+                        "err": _rel(o, o_fla), "err_vs_reference": _rel(o, o_ref),
                         "state_err": float((s - s_fla).abs().max() / s_fla.abs().max())}
             print(f"  {key}: {ms:.3f} ms, fla {fla_ms:.3f} ms ({fla_ms / ms:.2f}x), "
-                  f"err {out[key]['err']:.1e}", file=sys.stderr)
+                  f"from fla {out[key]['err']:.1e}, from the reference "
+                  f"{out[key]['err_vs_reference']:.1e} (fla's "
+                  f"{out[f'T{T}_fla_err_vs_reference']:.1e})", file=sys.stderr)
     return out
 
 

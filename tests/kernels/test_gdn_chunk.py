@@ -126,6 +126,34 @@ def test_the_split_first_stage_equals_the_fused_one(dtype, decay):
                dtype)
 
 
+@pytest.mark.parametrize("decay", ["weak", "strong"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_corrections_made_in_the_state_loop_equal_those_from_w_and_u(dtype, decay):
+    """`corrections_from_x` makes V' = X beta (V - exp(G) K S) in stage 2 from the solve's
+    X instead of U - W S from stage 1's W and U: the same answer (float32: the same sums in
+    another order; bfloat16: other roundings, within the output's), for whole chunks, a
+    ragged last one, and packed sequences with their own initial states."""
+    base = dataclasses.replace(DEFAULT_CONFIG, solve_block_k=16)
+    from_x = dataclasses.replace(base, corrections_from_x=True)
+    w_u = dataclasses.replace(base, corrections_from_x=False)
+    inputs, state = _inputs(12, 1, 150, 2, 4, 32, 32, dtype, decay)
+    o, s = chunk_gated_delta_rule(*inputs, initial_state=state, config=from_x)
+    o_wu, s_wu = chunk_gated_delta_rule(*inputs, initial_state=state, config=w_u)
+    _check(o, s, *_truth(inputs, state), dtype)
+    same = 1e-5 if dtype == torch.float32 else 1e-2
+    assert _err(o, o_wu) < same and _err(s, s_wu) < same
+    cu = torch.tensor([0, 63, 64, 150], dtype=torch.int32, device=DEVICE)
+    states = torch.randn(3, 4, 32, 32, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    o, s = chunk_gated_delta_rule(*inputs, initial_state=states, cu_seqlens=cu, config=from_x)
+    o_wu, s_wu = chunk_gated_delta_rule(*inputs, initial_state=states, cu_seqlens=cu,
+                                        config=w_u)
+    assert _err(o, o_wu) < same and _err(s, s_wu) < same
+    for n in range(3):
+        a, b = cu[n].item(), cu[n + 1].item()
+        _check(o[:, a:b], s[n:n + 1], *_truth([x[:, a:b] for x in inputs], states[n:n + 1]),
+               dtype)
+
+
 def test_varlen_int64_offsets_empty_sequence_and_zero_state():
     # a chunk-aligned sequence, an empty one (its final state is its initial state), one
     # just past a chunk boundary; no initial state means zeros
