@@ -105,7 +105,8 @@ def test_the_split_first_stage_equals_the_fused_one(dtype, decay):
     X and reads it back for W and U: the same answer as the fused stage 1, for whole
     chunks, a ragged last one and packed sequences (whose unused chunk slots write
     nothing)."""
-    split = dataclasses.replace(DEFAULT_CONFIG, wy_split=True, solve_block_k=16)
+    split = dataclasses.replace(DEFAULT_CONFIG, wy_split=True, solve_block_k=16,
+                                corrections_from_x=False)
     inputs, state = _inputs(11, 1, 150, 2, 4, 32, 32, dtype, decay)
     o, s = chunk_gated_delta_rule(*inputs, initial_state=state, config=split)
     o_one, s_one = chunk_gated_delta_rule(*inputs, initial_state=state,
@@ -118,7 +119,8 @@ def test_the_split_first_stage_equals_the_fused_one(dtype, decay):
     cu = torch.tensor([0, 64, 65, 150], dtype=torch.int32, device=DEVICE)
     states = state.expand(3, -1, -1, -1).contiguous()
     o, s = chunk_gated_delta_rule(*inputs, initial_state=states, cu_seqlens=cu, config=split)
-    o_one, s_one = chunk_gated_delta_rule(*inputs, initial_state=states, cu_seqlens=cu)
+    o_one, s_one = chunk_gated_delta_rule(*inputs, initial_state=states, cu_seqlens=cu,
+                                          config=dataclasses.replace(split, wy_split=False))
     assert _err(o, o_one) < same and _err(s, s_one) < same
     for n in range(3):
         a, b = cu[n].item(), cu[n + 1].item()
