@@ -185,11 +185,12 @@ class EngineThread:
                 self._release()
                 if self.step_delay:
                     time.sleep(self.step_delay)
-        except BaseException as exc:  # surfaced to whoever owns the thread
+        except BaseException as exc:  # surfaced to whoever owns the thread (`alive`,
+            # `submit`), logged here once with its traceback: not raised again, which would
+            # only print it a second time through threading's excepthook
             self.error = exc
             log.critical("engine thread stopped: %r", exc, exc_info=True)
             self._abandon(exc)
-            raise
         finally:
             self._run_calls()  # nobody waits forever on a call made while stopping
 

@@ -65,6 +65,7 @@ def test_invalid_requests_are_refused_before_admission():
     assert [e.request for e in h.journal.read() if e.kind == "RequestQueued"] == ["e"]
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_client_hears_only_of_what_the_journal_holds():
     """Found by `ninfer fuzz sim`: events used to reach clients as they were emitted, before
     their step's commit, so a crash in between told a client "finished" while the journal
@@ -90,3 +91,6 @@ def test_a_client_hears_only_of_what_the_journal_holds():
     assert "disk full" in outcome.message
     assert "RequestFinished" not in [e.kind for e in seen]
     assert "RequestFinished" not in [e.kind for e in h.journal.read()]
+    # the thread ended on the failure, which it keeps for its owner (logged once, not
+    # raised into threading's excepthook)
+    assert not runner.alive and "disk full" in repr(runner.error)
