@@ -1,6 +1,9 @@
-"""Triton kernel for the depthwise causal conv on the decode path: a few new inputs per lane.
+"""Triton kernel for the depthwise causal conv: a few new inputs per lane on the decode
+path, or a prefill chunk's thousands.
 
-One program owns one (lane, channel block) and all T positions. With the saved tail
+One program owns one (lane, channel block) and all T positions, or, past TILE_T
+positions, a tile of TILE_T of them (the new tail is then written by the first tile's
+program and copied into the state by torch after the kernel). With the saved tail
 tail[0 .. K-2] and the new inputs x[0 .. T-1], the window is w = tail ++ x and
 y[t] = act(bias + sum_j weight[j] * w[t + j]); the tail after position t is
 w[t+1 .. t+K-1]. Window entries are read straight from memory (tail or x by index), so
@@ -15,6 +18,11 @@ import triton.language as tl
 from torch import Tensor
 
 from . import pdl
+
+# positions a program takes: a prefill chunk's thousands are cut into tiles of this many
+# (one [BC, T] tile of thousands of positions spilled: 324 us for a 2048-token chunk of
+# anchor-1b's 4096 channels on the H200, a fifth of the whole prefill's GPU time)
+TILE_T = 64
 
 
 @triton.jit
@@ -39,13 +47,13 @@ def _conv_update_kernel(
     s_ob, s_ot, s_oc,  # tail output strides: [B, C, K-1] (s_ot = 0) or [B, T, C, K-1]
     K: tl.constexpr, KP: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_INDEX: tl.constexpr,
-    ALL_STATES: tl.constexpr, PDL: tl.constexpr,
+    ALL_STATES: tl.constexpr, IN_PLACE: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.launch_dependents(PDL)
     pdl.wait(PDL)
-    i_c, b = tl.program_id(0), tl.program_id(1)
+    i_c, b, i_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_c = i_c * BC + tl.arange(0, BC)
-    offs_t = tl.arange(0, BT)
+    offs_t = i_t * BT + tl.arange(0, BT)
     mc = offs_c < C
     if HAS_INDEX:
         slot = tl.load(idx_ptr + b).to(tl.int64)
@@ -81,17 +89,18 @@ def _conv_update_kernel(
                              offs_t[None, :] + 1 + i, T, K - 1)
             tl.store(out_row + offs_t[None, :] * s_ot + offs_c[:, None] * s_oc + i,
                      tail_i.to(tail_ptr.dtype.element_ty), mask=mc[:, None] & mt[None, :])
-    else:
+    elif i_t == 0:  # the new tail, by the first time tile's program
         cols = tl.arange(0, KP)
         new_tail = _window(x_row, tail_row, s_xc, s_xt, s_sc, offs_c, mc, live_c,
                            T + cols[None, :], T, K - 1)  # [BC, KP]: w[T .. T+K-2]
         mk = cols[None, :] < K - 1
         tl.store(out_row + offs_c[:, None] * s_oc + cols[None, :],
                  new_tail.to(tail_ptr.dtype.element_ty), mask=mc[:, None] & mk)
-        # every thread's reads of the old tail must land before any thread overwrites it
-        tl.debug_barrier()
-        tl.store(tail_row + (dest - slot) * s_sn + offs_c[:, None] * s_sc + cols[None, :],
-                 new_tail.to(state_ptr.dtype.element_ty), mask=live_c[:, None] & mk)
+        if IN_PLACE:  # one time tile: no other program reads this old tail
+            # every thread's reads of the old tail must land before any thread overwrites it
+            tl.debug_barrier()
+            tl.store(tail_row + (dest - slot) * s_sn + offs_c[:, None] * s_sc + cols[None, :],
+                     new_tail.to(state_ptr.dtype.element_ty), mask=live_c[:, None] & mk)
 
 
 def causal_conv1d_update(
@@ -117,8 +126,10 @@ def causal_conv1d_update(
     every position, [B, T, C, K-1] in conv_state's dtype. Matches
     `kernels.gdn_reference.causal_conv1d_update`.
 
-    Grid (cdiv(C, BC), B); tunables BC (a power of two; default 128 channels for T <= 4,
-    else 4096 // next_pow2(T), at least 32) and num_warps."""
+    Grid (cdiv(C, BC), B, time tiles): up to TILE_T positions one tile (all of T), more
+    (a prefill chunk, without state_indices or all_states) in tiles of TILE_T, the tail
+    copied into conv_state after the kernel. Tunables BC (a power of two; default
+    1024 // the tile's positions, from 16 to 128) and num_warps."""
     B, C, T = x.shape
     K = weight.shape[-1]
     if weight.shape != (C, K) or K < 2:
@@ -145,9 +156,12 @@ def causal_conv1d_update(
     else:
         tail = conv_state.new_empty(B, C, K - 1)
         t_strides = (tail.stride(0), 0, tail.stride(1))
-    BT = max(2, triton.next_power_of_2(T))  # no size-1 blocks
+    # a long input without slots in tiles of time (the tail is copied in after the kernel);
+    # else every position in one program, which alone reads the old tail it overwrites
+    tiled = T > TILE_T and state_indices is None and not all_states
+    BT = TILE_T if tiled else max(2, triton.next_power_of_2(T))  # no size-1 blocks
     BC = BC or max(16, min(128, 1024 // BT))  # [BC, BT] float32 tiles without spills
-    grid = (triton.cdiv(C, BC), B)
+    grid = (triton.cdiv(C, BC), B, max(1, triton.cdiv(T, BT)))  # T = 0: the tail still
     _conv_update_kernel[grid](
         x, conv_state, weight, bias if bias is not None else weight,
         state_indices if state_indices is not None else conv_state,
@@ -157,7 +171,9 @@ def causal_conv1d_update(
         *x.stride(), *conv_state.stride()[:2], *weight.stride(), *y.stride(), *t_strides,
         K=K, KP=max(2, triton.next_power_of_2(K - 1)), BC=BC, BT=BT,
         HAS_BIAS=bias is not None, SILU=activation == "silu",
-        HAS_INDEX=state_indices is not None, ALL_STATES=all_states, num_warps=num_warps,
-        **pdl.launch(x),
+        HAS_INDEX=state_indices is not None, ALL_STATES=all_states, IN_PLACE=not tiled,
+        num_warps=num_warps, **pdl.launch(x),
     )
+    if tiled:
+        conv_state.copy_(tail)
     return y, tail

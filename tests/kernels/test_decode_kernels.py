@@ -194,6 +194,24 @@ def test_conv_slots_in_place(dtype, T):
     assert not torch.equal(pool[idx], before[1::2][idx])
 
 
+@pytest.mark.parametrize("T", [65, 150])
+def test_conv_long_input_in_time_tiles(T):
+    """Past TILE_T positions (a prefill chunk) the kernel cuts T into tiles: the same
+    outputs as the reference, the old tail read by the first tile (it matters), and the new
+    tail returned and written into the state after the kernel."""
+    from kernels.conv1d import TILE_T
+    assert T > TILE_T
+    B, C, K = 2, 40, 4
+    x, weight, bias = _conv_inputs(13, B, C, T, K, torch.float32)
+    state = torch.randn(B, C, K - 1, generator=_gen(14)).to(DEV)
+    y_ref, tail_ref = conv_reference(x, state, weight, bias)
+    y, tail = causal_conv1d_update(x, state, weight, bias)
+    torch.testing.assert_close(y, y_ref, **OUT_TOL[torch.float32])
+    assert torch.equal(tail, tail_ref) and torch.equal(state, tail_ref)
+    y_no_tail, _ = conv_reference(x, torch.zeros_like(state), weight, bias)
+    assert _far(y, y_no_tail, OUT_TOL[torch.float32])
+
+
 def test_conv_to_destination_slots_leaves_its_inputs():
     """out_indices: the new tails go to other slots; the input tails stay as they were."""
     B, C, K = 2, 40, 4
@@ -363,6 +381,19 @@ def test_gpu_conv_real_shape(B, T):
     y, tail = causal_conv1d_update(x, pool, weight, state_indices=idx)
     torch.testing.assert_close(y, y_ref, **OUT_TOL[torch.bfloat16])
     assert torch.equal(pool[idx], tail_ref)
+
+
+@gpu_only
+def test_gpu_conv_prefill_chunk_in_time_tiles():
+    """A 2048-position chunk of the real shape, without slots (the prefill's call): cut
+    into time tiles, the reference's outputs, its tail returned and written into the state."""
+    C, K, T = 2 * 16 * 128 + 32 * 128, 4, 2048
+    x, weight, _ = _conv_inputs(17, 1, C, T, K, torch.bfloat16)
+    state = torch.randn(1, C, K - 1, generator=_gen(18)).to(DEV, torch.bfloat16)
+    y_ref, tail_ref = conv_reference(x, state, weight)
+    y, tail = causal_conv1d_update(x, state, weight)
+    torch.testing.assert_close(y, y_ref, **OUT_TOL[torch.bfloat16])
+    assert torch.equal(tail, tail_ref) and torch.equal(state, tail_ref)
 
 
 @gpu_only

@@ -64,3 +64,33 @@ def agree_until_tie(got, ref, gaps, tie=1e-9) -> bool:
         if a != b:
             return False
     return len(got) == len(ref)
+
+
+class ChunkKV:
+    """A KV store holding one lane's keys and values [1, L, Hkv, D] (`_attend` reads it)."""
+
+    def __init__(self, keys, values):
+        self.keys, self.values = keys, values
+
+    def read(self, layer, length):
+        return self.keys[:, :length], self.values[:, :length]
+
+    def to(self, dtype):
+        return ChunkKV(self.keys.to(dtype), self.values.to(dtype))
+
+
+def attention_chunk_case(device: str, T: int = 24, L: int = 80):
+    """An attention layer of the tiny net's shape but 4 query heads to 2 KV heads (a group
+    of 2, as in the real models), in bf16, and a prefill chunk's inputs: q [1, T, H, D], a
+    store of L positions' keys and values, the chunk's positions L - T .. L - 1."""
+    from ninfer.model.attention import GatedAttention
+    config = ModelConfig.from_dict({**TINY, "num_attention_heads": 4, "num_key_value_heads": 2})
+    attn = GatedAttention(config).to(device, torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device, torch.bfloat16)
+    q = rand(1, T, attn.num_heads, attn.head_dim)
+    store = ChunkKV(rand(1, L, attn.num_kv_heads, attn.head_dim),
+                    rand(1, L, attn.num_kv_heads, attn.head_dim))
+    return attn, q, store, torch.arange(L - T, L, device=device)[None]

@@ -13,7 +13,7 @@ from ninfer.engine.engine import EngineConfig
 from ninfer.model.torch_model import TorchModel
 from ninfer.testing.harness import Harness
 
-from .nets import agree_until_tie, reference, tiny_net
+from .nets import agree_until_tie, attention_chunk_case, reference, tiny_net
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 PROMPT = tuple((i * 7 + 3) % 97 for i in range(29))
@@ -120,3 +120,15 @@ def test_a_step_without_outputs_copies_none_and_its_step_ahead_serves_only_its_l
     assert (fast.graphs.adopted, fast.graphs.dropped) == (3, 2)
     assert fast.parts_match(fast.read_parts(lane[fast], 6, 0),
                             plain.read_parts(lane[plain], 6, 0)) is None
+
+
+def test_a_bf16_prefill_chunk_attends_as_the_float32_path():
+    """On the GPU a bf16 prefill chunk takes `_prefill_chunk` (the flash kernel, the causal
+    mask aligned to the chunk's end): what the float32 path makes of the same bf16 inputs,
+    within bf16's rounding (tests/model/test_model.py checks the same on the CPU)."""
+    attn, q, store, positions = attention_chunk_case("cuda")
+    x = torch.zeros(1, q.shape[1], 1, device="cuda", dtype=torch.bfloat16)
+    out = attn._attend(x, q, positions, store, 0)
+    ref = attn._attend(x.float(), q.float(), positions, store.to(torch.float32), 0)
+    assert out.dtype == torch.bfloat16
+    assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 2e-2

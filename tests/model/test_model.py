@@ -227,3 +227,22 @@ def test_model_without_mtp_refuses_mtp_forward():
     with pytest.raises(ValueError, match="MTP"):
         model.mtp_forward(torch.zeros(1, 1, 64), torch.zeros(1, 1, dtype=torch.long),
                           torch.zeros(1, 1, dtype=torch.long), ContiguousKV())
+
+
+def test_a_prefill_chunk_in_half_precision_attends_as_the_float32_path():
+    """`_prefill_chunk` (a bf16 / fp16 prefill chunk on the GPU) in bf16, here on the CPU:
+    the KV heads repeated for the query heads and the causal mask aligned to the chunk's
+    end give what the float32 path (SDPA with a mask by position, GQA) makes of the same
+    inputs, within bf16's rounding; its queries see the keys before the chunk, and a
+    mask aligned to the top left would not."""
+    from .nets import attention_chunk_case
+    attn, q, store, positions = attention_chunk_case("cpu")
+    x = torch.zeros(1, q.shape[1], 1)
+    ref = attn._attend(x, q.float(), positions, store.to(torch.float32), 0)
+    out = attn._prefill_chunk(q, store.keys, store.values)
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 2e-2
+    T, L = q.shape[1], store.keys.shape[1]
+    chunk_alone = attn._attend(x, q.float(), torch.arange(T)[None], store.to(torch.float32), 0)
+    assert ((chunk_alone - ref).abs().max() / ref.abs().max()).item() > 0.1
+    assert L > T
