@@ -26,7 +26,9 @@ class KVStore(Protocol):
     to position positions[b, t], overwriting what was there). `read(layer, length)` returns
     K, V [B, length, Hkv, D] for positions [0, length) of every row; a position a row has
     not written may hold anything (the attention masks keys after each query's position,
-    so a row only ever sees positions it wrote)."""
+    so a row only ever sees positions it wrote). A store may also carry `length`, one past
+    the forward's last position where its maker knew it on the host (`PagedKV`); without
+    it the attention takes it from the positions."""
 
     def write(self, layer: int, positions: Tensor, k: Tensor, v: Tensor) -> None: ...
 
@@ -149,7 +151,8 @@ class GatedAttention(nn.Module):
                 layer: int) -> Tensor:
         """SDPA over K, V [0, max position] read from `kv`: [B, T, H, D] in x's dtype."""
         B, T, H, D = q.shape
-        length = int(positions.max()) + 1
+        # one past the last position: from the store where the caller knew it on the host
+        length = getattr(kv, "length", None) or int(positions.max()) + 1
         keys, values = kv.read(layer, length)  # [B, L, Hkv, D]
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and B == 1 and T > 1:
             return self._prefill_chunk(q, keys.to(x.dtype), values.to(x.dtype))

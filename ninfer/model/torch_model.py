@@ -34,8 +34,12 @@ class PagedKV:
     place, for decode and verify forwards."""
 
     def __init__(self, k: dict[int, Tensor], v: dict[int, Tensor], block_size: int,
-                 tables: Sequence[Sequence[int]] | Tensor) -> None:
+                 tables: Sequence[Sequence[int]] | Tensor, length: int | None = None) -> None:
+        """`length`: one past the last position the forward writes, where the caller knows
+        it on the host: attention that reads the KV back then takes it from here rather
+        than from the positions on the device (a sync per attention layer)."""
         self.k, self.v, self.bs = k, v, block_size
+        self.length = length
         self._lengths: tuple[Tensor, Tensor] | None = None  # (positions, their lengths)
         if isinstance(tables, Tensor):  # a CUDA graph's static table [B, blocks] (long)
             self.run, self.tables = None, tables
@@ -206,13 +210,13 @@ class TorchModel:
 
     # --- the forward --------------------------------------------------------------------
 
-    def _state(self, slots: Sequence[int], tables) -> HybridState:
+    def _state(self, slots: Sequence[int], tables, length: int | None = None) -> HybridState:
         idx = torch.tensor([self._at(s) for s in slots], device=self.device)
         if kernels_for(self.hidden) is not None:  # left in the pools: a step updates them
             gdn = {i: SlotGDNState(self.conv[i], self.recurrent[i], idx) for i in self.conv}
         else:
             gdn = {i: GDNState(self.conv[i][idx], self.recurrent[i][idx]) for i in self.conv}
-        return HybridState(gdn, PagedKV(self.kv_k, self.kv_v, self.block_size, tables))
+        return HybridState(gdn, PagedKV(self.kv_k, self.kv_v, self.block_size, tables, length))
 
     def forward(self, lane: Lane, tokens: Sequence[int], start: int,
                 per_position: bool = False) -> Forward:
@@ -252,7 +256,8 @@ class TorchModel:
             starts = torch.tensor([items[m][2] for m in members], device=self.device)
             positions = starts[:, None] + torch.arange(n, device=self.device)  # [B, T]
             keep = per_position and 1 < n <= VERIFY_STATES_UP_TO  # one token: its end is it
-            state = self._state([lane.slot for lane in lanes], [lane.attn_blocks for lane in lanes])
+            state = self._state([lane.slot for lane in lanes], [lane.attn_blocks for lane in lanes],
+                                length=max(items[m][2] for m in members) + n)
             self._launched += 1
             out = self.net.forward(ids, positions, state, all_states=keep)
             greedy = out.logits.argmax(-1).tolist()  # [B][T]
@@ -301,7 +306,7 @@ class TorchModel:
         net = self.net
         positions = torch.tensor([[position]], device=self.device)
         ids = torch.tensor([[next_token]], device=self.device)
-        kv = PagedKV(self.mtp_k, self.mtp_v, self.block_size, [lane.mtp_blocks])
+        kv = PagedKV(self.mtp_k, self.mtp_v, self.block_size, [lane.mtp_blocks], position + 1)
         out = net.mtp_forward(hidden[None, None], ids, positions, kv)
         logits = out.logits[0, 0]
         return MtpOut(int(logits.argmax()), out.hidden[0, 0], logits)
@@ -314,7 +319,7 @@ class TorchModel:
         net, n = self.net, len(hidden)
         positions = torch.arange(start, start + n, device=self.device)[None]  # [1, n]
         ids = torch.tensor([next_tokens], device=self.device)
-        kv = PagedKV(self.mtp_k, self.mtp_v, self.block_size, [lane.mtp_blocks])
+        kv = PagedKV(self.mtp_k, self.mtp_v, self.block_size, [lane.mtp_blocks], start + n)
         h = torch.stack(hidden)[None]  # [1, n, D]
         y = net.mtp(h, net.model.embed_tokens(ids), positions, net.rope(positions, self.dtype),
                     kv)

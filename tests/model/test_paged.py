@@ -28,3 +28,41 @@ def test_writes_land_in_the_lane_blocks():
     assert k[0][4].flatten().tolist() == [1, 1] and k[0][1].flatten().tolist() == [1, 0]
     keys, values = kv.read(0, 3)
     assert keys.flatten().tolist() == [1, 1, 1] and values.flatten().tolist() == [2, 2, 2]
+
+
+def test_a_forward_takes_the_kv_length_from_the_host():
+    """The model's forwards tell the store one past their last position (`PagedKV.length`),
+    so attention reading the KV back does not take it from the positions on the device (a
+    sync per attention layer on a GPU): a prefill, a short forward, a batch of two lanes at
+    different positions and the MTP layer's forwards run with Tensor.max unusable, and give
+    the logits they give when the length comes from the positions."""
+    from unittest import mock
+
+    from ninfer.engine.model import Lane
+
+    from .nets import torch_factory
+    plain_init = PagedKV.__init__
+
+    def without_length(self, *args, **kwargs):
+        plain_init(self, *args, **kwargs)
+        self.length = None
+
+    outs = []
+    for patch in (mock.patch.object(PagedKV, "__init__", without_length),
+                  mock.patch.object(torch.Tensor, "max", side_effect=AssertionError("a sync"))):
+        model = torch_factory(16, 4, 4)
+        a = Lane(slot=0, attn_blocks=[0, 1, 2, 3], mtp_blocks=[8, 9, 10])
+        b = Lane(slot=1, attn_blocks=[4, 5, 6, 7])
+        with patch:
+            first = model.forward(a, list(range(1, 10)), 0)
+            model.accept(a, first.states[-1])
+            second = model.forward(b, [5, 6, 7], 0)
+            model.accept(b, second.states[-1])
+            both = model.forward_batch([(a, [11, 12], 9), (b, [13, 14], 3)])
+            # the MTP layer's attention: a catch-up over positions 0..8, then one more
+            span = model.mtp_span(a, 0, first.hidden[:9], list(range(2, 11)))
+            one = model.mtp(a, 9, both[0].hidden[0], 12)
+        outs.append([first.logits, second.logits, both[0].logits, both[1].logits,
+                     span.logits, one.logits])
+    for x, y in zip(*outs, strict=True):
+        assert torch.equal(x, y)
