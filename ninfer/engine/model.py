@@ -31,10 +31,14 @@ class Lane:
 class Forward:
     """Result of feeding tokens at positions [start, start+n)."""
 
-    greedy: list[int]          # greedy next token after each position
+    # greedy next token after each position; a prefill (`forward` without per_position)
+    # may make only its last position's, the others None
+    greedy: list[int | None]
     hidden: list[Any]          # main hidden state at each position
     states: list[Any]          # recurrent state after each position (kept for rollback)
-    logits: Any = None         # [n, V] when the model has logits (SimModel has none)
+    # [n, V] when the model has logits (SimModel has none); [1, V], the last position's,
+    # where greedy holds only the last
+    logits: Any = None
 
 
 class MtpOut(NamedTuple):

@@ -160,7 +160,7 @@ class HybridModel(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, state: HybridState,
                 all_states: bool = False, logits: bool = True,
                 embedded: tuple[Tensor, tuple[Tensor, Tensor]] | None = None,
-                greedy: Tensor | None = None) -> ForwardOutput:
+                greedy: Tensor | None = None, last_logits: bool = False) -> ForwardOutput:
         """Feed input_ids [B, T] at positions [B, T] (row b: P_b, P_b+1, ..., P_b+T-1)
         continuing from `state`, the state at P_b of each row. Prefill (any T, any P),
         decode (T=1) and verification (T=k+1, `all_states=True` for per-position GDN states
@@ -168,7 +168,10 @@ class HybridModel(nn.Module):
         embedding rows and rotary cos / sin of input_ids at positions, made already (a
         decode graph's first kernel, `kernels.greedy.decode_start`). `greedy`: int64 [B],
         reset to `kernels.greedy.KEY_NONE`: each row's greedy key of its last position's
-        logits is folded into it on the device (`kernels.greedy`; needs the kernels)."""
+        logits is folded into it on the device (`kernels.greedy`; needs the kernels).
+        `last_logits`: only the last position's logits are made ([B, 1, V]; a prefill reads
+        no others, and the LM head over every position of a 2K chunk of a 152K vocabulary
+        is a 0.6 TFLOP GEMM and 0.6 GB of logits)."""
         if embedded is None:
             h = self.model.embed_tokens(input_ids)  # [B, T, hidden]
             cos_sin = self.rope(positions, h.dtype)
@@ -186,7 +189,7 @@ class HybridModel(nn.Module):
                                              normed=True, argmax=greedy)
         else:
             hidden = self.model.norm(h)
-            out = self.lm_logits(hidden) if logits else None
+            out = self.lm_logits(hidden[:, -1:] if last_logits else hidden) if logits else None
             if greedy is not None and out is not None:
                 dev = kernels_for(out)
                 if dev is None:

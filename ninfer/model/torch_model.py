@@ -259,11 +259,15 @@ class TorchModel:
             state = self._state([lane.slot for lane in lanes], [lane.attn_blocks for lane in lanes],
                                 length=max(items[m][2] for m in members) + n)
             self._launched += 1
-            out = self.net.forward(ids, positions, state, all_states=keep)
-            greedy = out.logits.argmax(-1).tolist()  # [B][T]
+            # a prefill (not per position) reads only its last position's greedy token
+            # and logits: the others are not made (None)
+            last = not per_position and n > 1
+            out = self.net.forward(ids, positions, state, all_states=keep, last_logits=last)
+            greedy = out.logits.argmax(-1).tolist()  # [B][T], or [B][1] for the last only
             for row, m in enumerate(members):
-                results[m] = Forward(greedy[row], list(out.hidden[row]),
-                                     _States(out, row, n, keep), out.logits[row])
+                results[m] = Forward([None] * (n - 1) + greedy[row] if last else greedy[row],
+                                     list(out.hidden[row]), _States(out, row, n, keep),
+                                     out.logits[row])
         return results
 
     def accept(self, lane: Lane, state, hidden=None) -> None:
@@ -466,7 +470,7 @@ class TorchModel:
         positions = torch.arange(len(tokens), device=self.device)[None]
         out_tokens: list[int] = []
         while True:
-            out = self.net.forward(ids, positions, state)
+            out = self.net.forward(ids, positions, state, last_logits=True)
             token = int(out.logits[0, -1].argmax())
             out_tokens.append(token)
             if len(out_tokens) >= max_tokens or token in stop_tokens:

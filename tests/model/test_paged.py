@@ -66,3 +66,21 @@ def test_a_forward_takes_the_kv_length_from_the_host():
                      span.logits, one.logits])
     for x, y in zip(*outs, strict=True):
         assert torch.equal(x, y)
+
+
+def test_a_prefill_makes_only_its_last_positions_logits():
+    """A prefill (`forward` without per_position) runs the LM head on its last position
+    alone: its logits are the full forward's last row, its greedy tokens None but the last;
+    a verify-style forward (per position) still makes every position's."""
+    from ninfer.engine.model import Lane
+
+    from .nets import torch_factory
+    model = torch_factory(16, 4, 4)
+    lane = Lane(slot=0, attn_blocks=[0, 1, 2, 3])
+    prefill = model.forward(lane, list(range(1, 10)), 0)
+    every = model.forward(lane, list(range(1, 10)), 0, per_position=True)
+    assert every.logits.shape[0] == 9 and None not in every.greedy
+    assert prefill.logits.shape == (1, every.logits.shape[1])
+    torch.testing.assert_close(prefill.logits[0], every.logits[-1], rtol=0, atol=1e-12)
+    assert prefill.greedy == [None] * 8 + [every.greedy[-1]]
+    assert len(prefill.hidden) == 9  # the MTP layer still gets every hidden state
