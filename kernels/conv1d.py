@@ -2,8 +2,9 @@
 path, or a prefill chunk's thousands.
 
 One program owns one (lane, channel block) and all T positions, or, past TILE_T
-positions, a tile of TILE_T of them (the new tail is then written by the first tile's
-program and copied into the state by torch after the kernel). With the saved tail
+positions, a tile of TILE_T of them. Only the first tile's positions read the saved tail
+(a tile is at least K-1 positions), so that tile's program alone reads it and writes the
+new one in place, whatever the tiling. With the saved tail
 tail[0 .. K-2] and the new inputs x[0 .. T-1], the window is w = tail ++ x and
 y[t] = act(bias + sum_j weight[j] * w[t + j]); the tail after position t is
 w[t+1 .. t+K-1]. Window entries are read straight from memory (tail or x by index), so
@@ -47,7 +48,7 @@ def _conv_update_kernel(
     s_ob, s_ot, s_oc,  # tail output strides: [B, C, K-1] (s_ot = 0) or [B, T, C, K-1]
     K: tl.constexpr, KP: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_INDEX: tl.constexpr,
-    ALL_STATES: tl.constexpr, IN_PLACE: tl.constexpr, PDL: tl.constexpr,
+    ALL_STATES: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.launch_dependents(PDL)
     pdl.wait(PDL)
@@ -89,18 +90,17 @@ def _conv_update_kernel(
                              offs_t[None, :] + 1 + i, T, K - 1)
             tl.store(out_row + offs_t[None, :] * s_ot + offs_c[:, None] * s_oc + i,
                      tail_i.to(tail_ptr.dtype.element_ty), mask=mc[:, None] & mt[None, :])
-    elif i_t == 0:  # the new tail, by the first time tile's program
+    elif i_t == 0:  # the new tail, by the first time tile's: the only reader of the old
         cols = tl.arange(0, KP)
         new_tail = _window(x_row, tail_row, s_xc, s_xt, s_sc, offs_c, mc, live_c,
                            T + cols[None, :], T, K - 1)  # [BC, KP]: w[T .. T+K-2]
         mk = cols[None, :] < K - 1
         tl.store(out_row + offs_c[:, None] * s_oc + cols[None, :],
                  new_tail.to(tail_ptr.dtype.element_ty), mask=mc[:, None] & mk)
-        if IN_PLACE:  # one time tile: no other program reads this old tail
-            # every thread's reads of the old tail must land before any thread overwrites it
-            tl.debug_barrier()
-            tl.store(tail_row + (dest - slot) * s_sn + offs_c[:, None] * s_sc + cols[None, :],
-                     new_tail.to(state_ptr.dtype.element_ty), mask=live_c[:, None] & mk)
+        # every thread's reads of the old tail must land before any thread overwrites it
+        tl.debug_barrier()
+        tl.store(tail_row + (dest - slot) * s_sn + offs_c[:, None] * s_sc + cols[None, :],
+                 new_tail.to(state_ptr.dtype.element_ty), mask=live_c[:, None] & mk)
 
 
 def causal_conv1d_update(
@@ -127,8 +127,7 @@ def causal_conv1d_update(
     `kernels.gdn_reference.causal_conv1d_update`.
 
     Grid (cdiv(C, BC), B, time tiles): up to TILE_T positions one tile (all of T), more
-    (a prefill chunk, without state_indices or all_states) in tiles of TILE_T, the tail
-    copied into conv_state after the kernel. Tunables BC (a power of two; default
+    (a prefill chunk) in tiles of TILE_T (or K-1, if more). Tunables BC (a power of two; default
     1024 // the tile's positions, from 16 to 128) and num_warps."""
     B, C, T = x.shape
     K = weight.shape[-1]
@@ -156,10 +155,8 @@ def causal_conv1d_update(
     else:
         tail = conv_state.new_empty(B, C, K - 1)
         t_strides = (tail.stride(0), 0, tail.stride(1))
-    # a long input without slots in tiles of time (the tail is copied in after the kernel);
-    # else every position in one program, which alone reads the old tail it overwrites
-    tiled = T > TILE_T and state_indices is None and not all_states
-    BT = TILE_T if tiled else max(2, triton.next_power_of_2(T))  # no size-1 blocks
+    tile = max(TILE_T, triton.next_power_of_2(K - 1))  # the old tail within the first
+    BT = tile if T > tile else max(2, triton.next_power_of_2(T))  # no size-1 blocks
     BC = BC or max(16, min(128, 1024 // BT))  # [BC, BT] float32 tiles without spills
     grid = (triton.cdiv(C, BC), B, max(1, triton.cdiv(T, BT)))  # T = 0: the tail still
     _conv_update_kernel[grid](
@@ -171,9 +168,7 @@ def causal_conv1d_update(
         *x.stride(), *conv_state.stride()[:2], *weight.stride(), *y.stride(), *t_strides,
         K=K, KP=max(2, triton.next_power_of_2(K - 1)), BC=BC, BT=BT,
         HAS_BIAS=bias is not None, SILU=activation == "silu",
-        HAS_INDEX=state_indices is not None, ALL_STATES=all_states, IN_PLACE=not tiled,
-        num_warps=num_warps, **pdl.launch(x),
+        HAS_INDEX=state_indices is not None, ALL_STATES=all_states, num_warps=num_warps,
+        **pdl.launch(x),
     )
-    if tiled:
-        conv_state.copy_(tail)
     return y, tail

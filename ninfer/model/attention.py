@@ -171,10 +171,12 @@ class GatedAttention(nn.Module):
     def _prefill_chunk(self, q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
         """One lane's T consecutive positions ending at the last of keys / values' L (a
         prefill chunk; every caller's positions are consecutive), on the GPU in bf16 /
-        fp16: the flash kernel with the causal mask aligned to the bottom right (query i
-        sees keys up to L - T + i), the KV heads repeated for the query heads. In float32
-        (the rest of `_attend`) SDPA has no flash kernel and takes its math path: ~15 of
-        the 52 ms of GPU time of a 4K prefill of anchor-1b on the H200 (bench/NOTES.md)."""
+        fp16: SDPA with the causal mask aligned to the bottom right (query i sees keys up
+        to L - T + i), which its flash and memory-efficient kernels take without a mask
+        tensor (not yet timed on the H200), the KV heads repeated for the query heads. In
+        float32 (the rest of `_attend`) SDPA has no flash kernel and takes its math path:
+        ~15 of the 52 ms of GPU time of a 4K prefill of anchor-1b on the H200
+        (bench/NOTES.md)."""
         from torch.nn.attention.bias import causal_lower_right
         B, T, H, D = q.shape
         L = keys.shape[1]

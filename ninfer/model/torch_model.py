@@ -253,11 +253,12 @@ class TorchModel:
                                          _InPlace(), logits[row:row + 1] if outputs else None)
                 continue
             ids = torch.tensor([list(items[m][1]) for m in members], device=self.device)
-            starts = torch.tensor([items[m][2] for m in members], device=self.device)
-            positions = starts[:, None] + torch.arange(n, device=self.device)  # [B, T]
+            starts = [items[m][2] for m in members]
+            positions = (torch.tensor(starts, device=self.device)[:, None]
+                         + torch.arange(n, device=self.device))  # [B, T]
             keep = per_position and 1 < n <= VERIFY_STATES_UP_TO  # one token: its end is it
             state = self._state([lane.slot for lane in lanes], [lane.attn_blocks for lane in lanes],
-                                length=max(items[m][2] for m in members) + n)
+                                length=max(starts) + n)
             self._launched += 1
             # a prefill (not per position) reads only its last position's greedy token
             # and logits: the others are not made (None)

@@ -196,9 +196,10 @@ def test_conv_slots_in_place(dtype, T):
 
 @pytest.mark.parametrize("T", [65, 150])
 def test_conv_long_input_in_time_tiles(T):
-    """Past TILE_T positions (a prefill chunk) the kernel cuts T into tiles: the same
-    outputs as the reference, the old tail read by the first tile (it matters), and the new
-    tail returned and written into the state after the kernel."""
+    """Past TILE_T positions (a prefill chunk) the kernel cuts T into tiles: the reference's
+    outputs; the first tile's program reads the old tail (it matters) and writes the new
+    one in place, into a state, into destination slots of a pool (the input slots and the
+    others untouched), and every position's tail with all_states."""
     from kernels.conv1d import TILE_T
     assert T > TILE_T
     B, C, K = 2, 40, 4
@@ -210,6 +211,23 @@ def test_conv_long_input_in_time_tiles(T):
     assert torch.equal(tail, tail_ref) and torch.equal(state, tail_ref)
     y_no_tail, _ = conv_reference(x, torch.zeros_like(state), weight, bias)
     assert _far(y, y_no_tail, OUT_TOL[torch.float32])
+
+    pool, buffer = _slot_pool(15, 5, (C, K - 1), torch.float32)
+    before = buffer.clone()
+    idx, dests = torch.tensor([3, 0], device=DEV), torch.tensor([1, 4], device=DEV)
+    y_ref, tail_ref = conv_reference(x, pool[idx], weight, bias)
+    y, tail = causal_conv1d_update(x, pool, weight, bias, state_indices=idx,
+                                   out_indices=dests)
+    torch.testing.assert_close(y, y_ref, **OUT_TOL[torch.float32])
+    assert torch.equal(pool[dests], tail_ref)
+    assert torch.equal(pool[idx], before[1::2][idx])
+    assert torch.equal(pool[2], before[1::2][2])
+
+    y_ref, tails_ref = conv_reference(x, pool[idx], weight, activation=None, all_states=True)
+    y, tails = causal_conv1d_update(x, pool, weight, activation=None, state_indices=idx,
+                                    all_states=True)
+    torch.testing.assert_close(y, y_ref, **OUT_TOL[torch.float32])
+    assert torch.equal(tails, tails_ref)
 
 
 def test_conv_to_destination_slots_leaves_its_inputs():
