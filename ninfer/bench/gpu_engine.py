@@ -6,9 +6,11 @@ transformers + fla on the same weights, each measured in the run that reports it
   head) over the copy bandwidth measured in this run; a batch of B reads them once.
 - ours: `ninfer bench engine`'s figures on the GPU (decode at batch 1/4/8 through the whole
   engine, CUDA graphs for the steps; prefill; MTP drafting as the model drafts, forced right,
-  forced wrong), plus the model's own step time (a graph replay and its argmax) and a verify
-  of 4 positions against a plain step; decode at batch 1 again with the graphs not running
-  the next step ahead (`ninfer.model.graphs`), the same-run "before" of that.
+  forced wrong; each after a warm run, as the decode figures), plus the model's own step
+  time (a graph replay and its argmax), a verify of 4 positions and an MTP head step (graph
+  replays too: `ninfer.model.spec_graphs`) against a plain step; decode at batch 1 again
+  with the graphs not running the next step ahead (`ninfer.model.graphs`), the same-run
+  "before" of that.
 - baseline: transformers' Qwen3NextForCausalLM on the same files, with fla's kernels when
   transformers binds them (reported), `generate` greedy at batch 1 and 8, and a 4K prefill.
 """
@@ -62,8 +64,9 @@ def _cuda_time(fn, reps: int) -> float:
 
 
 def model_steps(bench) -> dict:
-    """The model alone: a one-token step of 1 and 8 lanes (graph replay + argmax), and a
-    verify of 4 positions keeping every state, against a plain step."""
+    """The model alone: a one-token step of 1 and 8 lanes (graph replay + argmax), a
+    verify of 4 positions keeping every state and an MTP head step, against a plain
+    step."""
     from ..engine.model import Lane
     m = bench.om.model
     out = {}
@@ -75,6 +78,11 @@ def model_steps(bench) -> dict:
     out["verify4_us"] = _cuda_time(
         lambda: m.forward_batch([(lane, [7, 8, 9, 10], 1000)], per_position=True), 50) * 1e6
     out["verify4_over_step"] = out["verify4_us"] / out["step_b1_us"]
+    if m.net.has_mtp:  # one MTP head step (a draft, or one position's catch-up)
+        lane.mtp_blocks = list(range(64, 128))
+        hidden = torch.zeros(m.config.hidden_size, dtype=m.dtype, device=m.device)
+        out["mtp_step_us"] = _cuda_time(lambda: m.mtp(lane, 1000, hidden, 7), 50) * 1e6
+        out["mtp_step_over_step"] = out["mtp_step_us"] / out["step_b1_us"]
     return out
 
 
@@ -125,9 +133,9 @@ def main(json_path: str | None = None) -> int:
         b, lambda: b.decode(1, tokens=DECODE_TOKENS)))))
     steps.append(("decode_b1_4k",
                   warm(lambda: b.decode(1, tokens=DECODE_TOKENS, context=4096))))
-    for drafts in (None, "accept", "reject"):
-        steps.append((f"mtp_{drafts or 'model'}",
-                      lambda d=drafts: b.decode(1, tokens=DECODE_TOKENS, spec="mtp", drafts=d)))
+    for drafts in (None, "accept", "reject"):  # warm too: a verify graph per round length
+        steps.append((f"mtp_{drafts or 'model'}", warm(
+            lambda d=drafts: b.decode(1, tokens=DECODE_TOKENS, spec="mtp", drafts=d))))
     steps.append(("turn2_4k", warm(lambda: b.turn2(4096))))
     for name, run in steps:
         t0 = time.perf_counter()

@@ -181,10 +181,14 @@ class TorchModel:
         self.hidden = self._zeros((num_slots, c.hidden_size))
         self.hidden_valid = [False] * num_slots
         self._launched = self._completed = 0
-        self.graphs = None
+        self.graphs = self.verify_graphs = self.mtp_graphs = None
         if graphs:
             from .graphs import DecodeGraphs
+            from .spec_graphs import MtpGraphs, VerifyGraphs
             self.graphs = DecodeGraphs(self)
+            self.verify_graphs = VerifyGraphs(self, self.graphs.pool)
+            if net.has_mtp:
+                self.mtp_graphs = MtpGraphs(self, self.graphs.pool)
 
     @property
     def runs_ahead(self) -> bool:
@@ -252,18 +256,22 @@ class TorchModel:
                     results[m] = Forward([greedy[row]], [hidden[row] if outputs else None],
                                          _InPlace(), logits[row:row + 1] if outputs else None)
                 continue
-            ids = torch.tensor([list(items[m][1]) for m in members], device=self.device)
             starts = [items[m][2] for m in members]
-            positions = (torch.tensor(starts, device=self.device)[:, None]
-                         + torch.arange(n, device=self.device))  # [B, T]
             keep = per_position and 1 < n <= VERIFY_STATES_UP_TO  # one token: its end is it
-            state = self._state([lane.slot for lane in lanes], [lane.attn_blocks for lane in lanes],
-                                length=max(starts) + n)
-            self._launched += 1
             # a prefill (not per position) reads only its last position's greedy token
             # and logits: the others are not made (None)
             last = not per_position and n > 1
-            out = self.net.forward(ids, positions, state, all_states=keep, last_logits=last)
+            self._launched += 1
+            if keep and self.verify_graphs is not None and self.verify_graphs.fits(lanes, n):
+                out = self.verify_graphs.run(lanes, [list(items[m][1]) for m in members],
+                                             starts)
+            else:
+                ids = torch.tensor([list(items[m][1]) for m in members], device=self.device)
+                positions = (torch.tensor(starts, device=self.device)[:, None]
+                             + torch.arange(n, device=self.device))  # [B, T]
+                state = self._state([lane.slot for lane in lanes],
+                                    [lane.attn_blocks for lane in lanes], length=max(starts) + n)
+                out = self.net.forward(ids, positions, state, all_states=keep, last_logits=last)
             greedy = out.logits.argmax(-1).tolist()  # [B][T], or [B][1] for the last only
             for row, m in enumerate(members):
                 results[m] = Forward([None] * (n - 1) + greedy[row] if last else greedy[row],
@@ -308,6 +316,8 @@ class TorchModel:
     @torch.inference_mode()
     def mtp(self, lane: Lane, position: int, hidden: Tensor, next_token: int) -> MtpOut:
         self._launched += 1
+        if self.mtp_graphs is not None and self.mtp_graphs.fits(lane):
+            return self.mtp_graphs.run(lane, position, hidden, next_token)
         net = self.net
         positions = torch.tensor([[position]], device=self.device)
         ids = torch.tensor([[next_token]], device=self.device)
@@ -320,6 +330,8 @@ class TorchModel:
     def mtp_span(self, lane: Lane, start: int, hidden: list, next_tokens: list) -> MtpOut:
         """One MTP forward over entries start..start+n-1 (a catch-up); logits only for the
         last entry, the one a draft is taken from."""
+        if len(hidden) == 1 and self.mtp_graphs is not None and self.mtp_graphs.fits(lane):
+            return self.mtp(lane, start, hidden[0], next_tokens[0])  # one entry: a replay
         self._launched += 1
         net, n = self.net, len(hidden)
         positions = torch.arange(start, start + n, device=self.device)[None]  # [1, n]

@@ -25,7 +25,7 @@ def _factory(graphs: bool):
         model = TorchModel(net, num_blocks=num_blocks, block_size=block_size,
                            num_slots=num_slots, identity="tiny-cuda", device="cuda")
         if not graphs:
-            model.graphs = None
+            model.graphs = model.verify_graphs = model.mtp_graphs = None
         return model
     return make
 
@@ -42,7 +42,11 @@ def test_decode_on_cuda_equals_the_reference(spec, graphs):
         ref, gaps = reference(PROMPT[i:], 10, tiny_net(torch.float32))
         assert agree_until_tie(h.request(rid).outputs, ref, gaps, tie=1e-3)
     if graphs:
-        assert h.engine.model.graphs.graphs, "no decode step went through a graph"
+        model = h.engine.model
+        assert model.graphs.graphs, "no decode step went through a graph"
+        if spec == "mtp":
+            assert model.verify_graphs.graphs, "no verify went through a graph"
+            assert model.mtp_graphs.graphs, "no MTP step went through a graph"
     turn2 = PROMPT + tuple(h.request(ids[0]).outputs) + (5, 6)
     again = h.submit(turn2, "s0", max_tokens=6)
     h.run()
@@ -90,6 +94,77 @@ def test_a_step_run_ahead_is_taken_only_when_asked_for_and_leaves_nothing_when_d
             is None
     assert (fast.graphs.adopted, fast.graphs.dropped) == (21, 18)  # counted from the loop
     assert plain.graphs.adopted == plain.graphs.dropped == 0
+
+
+def test_verify_and_mtp_graphs_compute_the_eager_forwards():
+    """A verify of 2-4 positions for 1-3 lanes (padding lanes in the 4-lane graph) and an
+    MTP step, each replayed from a graph and run eagerly on the same model from the same
+    storage: the same greedy tokens, logits, hidden states, per-position GDN states and KV
+    written (and nothing else written: the KV is put back between the two). What a replay
+    hands out is a copy: it stays put when the graph replays again."""
+    from ninfer.engine.model import Lane
+    m = _factory(True)(32, 4, 4)
+    lanes = [Lane(slot=s, attn_blocks=[8 * s + j for j in range(8)],
+                  mtp_blocks=[24 + 2 * s, 25 + 2 * s]) for s in range(3)]
+    for lane, start in zip(lanes, (0, 3, 5), strict=True):
+        m.init_slot(lane)
+        m.accept(lane, m.forward(lane, PROMPT[start:start + 11], 0).states[-1])
+    graphs, mtp_graphs = m.verify_graphs, m.mtp_graphs
+
+    def run(items, graph: bool, before=None):
+        if before is not None:
+            for i in m.kv_k:
+                m.kv_k[i].copy_(before[0][i])
+                m.kv_v[i].copy_(before[1][i])
+        m.verify_graphs = graphs if graph else None
+        outs = m.forward_batch(items, per_position=True)
+        kv = ({i: t.clone() for i, t in m.kv_k.items()}, {i: t.clone() for i, t in m.kv_v.items()})
+        states = []
+        for o in outs:
+            out, row, _ = o.states[0]
+            states += [(out.states[j].conv[row].clone(), out.states[j].recurrent[row].clone())
+                       for j in m.conv]
+        return outs, kv, states
+
+    for n, B in ((2, 1), (4, 3), (3, 2)):
+        items = [(lane, [7 + b, 9, 11, 13][:n], 11) for b, lane in enumerate(lanes[:B])]
+        before = ({i: t.clone() for i, t in m.kv_k.items()},
+                  {i: t.clone() for i, t in m.kv_v.items()})
+        g, g_kv, g_states = run(items, True)
+        e, e_kv, e_states = run(items, False, before)
+        for a, b in zip(g, e, strict=True):
+            assert a.greedy == b.greedy
+            torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(torch.stack(a.hidden), torch.stack(b.hidden),
+                                       atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(g_states, e_states, atol=1e-5, rtol=1e-5)
+        scratch = m.scratch_block  # where padding lanes and captures write: not compared
+        torch.testing.assert_close([{i: t[:scratch] for i, t in d.items()} for d in g_kv],
+                                   [{i: t[:scratch] for i, t in d.items()} for d in e_kv],
+                                   atol=1e-5, rtol=1e-5)
+    assert {(S, T) for S, T, _ in graphs.graphs} == {(1, 2), (4, 4), (2, 3)}
+    kept = g[0].logits.clone()
+    run([(lanes[0], [1, 2, 3], 11), (lanes[1], [4, 5, 6], 11)], True)  # (2, 3) again
+    assert torch.equal(g[0].logits, kept), "a replay wrote into logits handed out before"
+
+    lane, hidden = lanes[1], e[1].hidden[0]
+    before = {i: t.clone() for i, t in m.mtp_k.items()}
+    m.mtp_graphs = mtp_graphs
+    got = m.mtp(lane, 5, hidden, 42)
+    got_kv = {i: t.clone() for i, t in m.mtp_k.items()}
+    chained = m.mtp(lane, 6, got.hidden, got.token)  # the graph replays into its outputs
+    m.mtp_graphs = None
+    for i in m.mtp_k:
+        m.mtp_k[i].copy_(before[i])
+    want = m.mtp(lane, 5, hidden, 42)
+    assert mtp_graphs.graphs and got.token == want.token
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.hidden, want.hidden, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close({i: t[:scratch] for i, t in got_kv.items()},
+                               {i: t[:scratch] for i, t in m.mtp_k.items()}, atol=1e-5, rtol=1e-5)
+    again = m.mtp(lane, 6, want.hidden, want.token)
+    assert chained.token == again.token
+    torch.testing.assert_close(chained.logits, again.logits, atol=1e-5, rtol=1e-5)
 
 
 def test_a_step_without_outputs_copies_none_and_its_step_ahead_serves_only_its_like():
