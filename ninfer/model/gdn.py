@@ -185,6 +185,9 @@ class GatedDeltaNet(nn.Module):
             conv_out, conv_tail = causal_conv1d_update(
                 qkv.transpose(1, 2), state.conv, weight, activation="silu",
                 all_states=all_states)
+        if dev is not None and (all_states or T == 1):  # a verify, or a step off the pools
+            o, recurrent = self._steps_on_device(dev, conv_out, b, a, state, all_states)
+            return self._out(o, z, residual), GDNState(conv_tail, recurrent)
         q, k, v = conv_out.transpose(1, 2).split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
         wide = compute_dtype(x)
         q = l2_normalize(q.reshape(B, T, Hk, Dk).to(wide))  # [B, T, Hk, Dk]
@@ -192,8 +195,8 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(B, T, Hv, Dv)
         beta, g = self._gates(b, a, wide)  # [B, T, Hv]
 
-        if dev is not None:
-            o, recurrent = self._rule_on_device(dev, q, k, v, g, beta, state, all_states)
+        if dev is not None:  # a prefill chunk
+            o, recurrent = dev.chunk(q, k, v, g, beta, initial_state=state.recurrent)
         elif all_states or T <= self.RECURRENT_MAX_TOKENS:
             o, recurrent = recurrent_gated_delta_rule(
                 q, k, v, g, beta, initial_state=state.recurrent, all_states=all_states)
@@ -219,16 +222,25 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.to(wide).exp() * F.softplus(a.to(wide) + self.dt_bias.to(wide))
         return beta, g
 
-    @staticmethod
-    def _rule_on_device(dev, q, k, v, g, beta, state: GDNState, all_states: bool):
-        """The rule by the Triton kernels: the verify kernel keeping every position's
-        state, the step kernel for one token (on a copy), the chunked one otherwise."""
+    def _steps_on_device(self, dev, conv_out: Tensor, b: Tensor, a: Tensor, state: GDNState,
+                         all_states: bool) -> tuple[Tensor, Tensor]:
+        """The rule token by token in the step kernel, which normalises q and k and makes
+        beta and g from the raw projections itself, as in a decode step (one launch where
+        torch takes ~20 a layer, and a verify's arithmetic is the decode step's):
+        conv_out [B, conv_dim, T] -> o [B, T, Hv, Dv] and the state after every position
+        (`all_states`, a verify) or after the last (on a copy of the input's)."""
+        B, _, T = conv_out.shape
+        Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        qkv = conv_out.transpose(1, 2).contiguous()  # the kernel reads unit-stride heads
+        q, k, v = qkv.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+        q, k, v = q.view(B, T, Hk, Dk), k.view(B, T, Hk, Dk), v.view(B, T, Hv, Dv)
+        gates = (a, b, self.A_log, self.dt_bias)
         if all_states:
-            return dev.step(q, k, v, g, beta, state.recurrent, all_states=True)
-        if q.shape[1] == 1:
-            recurrent = state.recurrent.clone()
-            return dev.step(q, k, v, g, beta, recurrent), recurrent
-        return dev.chunk(q, k, v, g, beta, initial_state=state.recurrent)
+            return dev.step(q, k, v, None, None, state.recurrent, all_states=True,
+                            use_qk_l2norm=True, gates=gates)
+        recurrent = state.recurrent.clone()
+        return dev.step(q, k, v, None, None, recurrent, use_qk_l2norm=True,
+                        gates=gates), recurrent
 
     def _step_in_place(self, x: Tensor, state: SlotGDNState, dev, norm: RMSNorm | None,
                        residual: Tensor | None) -> Tensor:
