@@ -12,6 +12,10 @@ references below to the last bit of the arithmetic they share.
 - `gated_rms_norm(x, z, w, eps)`: the GDN output norm, (w * rms-normed x) * silu(z).
 - `silu_mul(g, u)`: SwiGLU's silu(g) * u.  `sigmoid_mul(x, g)`: x * sigmoid(g).
 - `rope(x, cos, sin)`: the half-split rotary embedding on the first cos.shape[-1] channels.
+- `qk_norm_gates(q, k, b, a, A_log, dt_bias)`: what a GDN layer's chunked rule takes from
+  its conv and projections, in float32: q and k L2-normalised per head, beta = sigmoid(b),
+  g = -exp(A_log) * softplus(a + dt_bias) (~20 torch launches a layer: a prefill chunk
+  is host-bound on the H200 machine, at ~30 us of host time a launch).
 """
 
 from __future__ import annotations
@@ -192,3 +196,60 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     _rope_kernel[(x2.shape[0],)](x2, c2, s2, y, H, D, x2.stride(0), c2.stride(0), y.stride(0),
                                  R=R, BD=triton.next_power_of_2(D), **pdl.launch(x))
     return y.view(x.shape)
+
+
+@triton.jit
+def _qk_norm_gates_kernel(q_ptr, k_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, qn_ptr, kn_ptr,
+                          beta_ptr, g_ptr, T, s_qb, s_qt, s_qh, s_qd, s_kb, s_kt, s_kh, s_kd,
+                          s_bb, s_bt, s_bh, s_ab, s_at, s_ah, eps, HK: tl.constexpr,
+                          DK: tl.constexpr, HV: tl.constexpr, BH: tl.constexpr,
+                          BD: tl.constexpr, BV: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # one (lane, position): every head of it
+    b, t = row // T, row % T
+    h = tl.arange(0, BH)[:, None]
+    d = tl.arange(0, BD)[None, :]
+    m = (h < HK) & (d < DK)
+    out = row * HK * DK + h * DK + d
+    for src, s_b, s_t, s_h, s_d, dst in ((q_ptr, s_qb, s_qt, s_qh, s_qd, qn_ptr),
+                                         (k_ptr, s_kb, s_kt, s_kh, s_kd, kn_ptr)):
+        x = tl.load(src + b * s_b + t * s_t + h * s_h + d * s_d, mask=m, other=0.0)
+        x = x.to(tl.float32)
+        tl.store(dst + out, x * tl.rsqrt(tl.sum(x * x, axis=1) + eps)[:, None], mask=m)
+    hv = tl.arange(0, BV)
+    mv = hv < HV
+    bv = tl.load(b_ptr + b * s_bb + t * s_bt + hv * s_bh, mask=mv, other=0.0).to(tl.float32)
+    x = tl.load(a_ptr + b * s_ab + t * s_at + hv * s_ah, mask=mv, other=0.0).to(tl.float32) \
+        + tl.load(dtb_ptr + hv, mask=mv, other=0.0).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    rate = tl.exp(tl.load(alog_ptr + hv, mask=mv, other=0.0).to(tl.float32))
+    tl.store(beta_ptr + row * HV + hv, tl.sigmoid(bv), mask=mv)
+    tl.store(g_ptr + row * HV + hv, -rate * softplus, mask=mv)
+
+
+def qk_norm_gates(q: Tensor, k: Tensor, b: Tensor, a: Tensor, A_log: Tensor, dt_bias: Tensor,
+                  eps: float = 1e-6) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """q, k [B, T, Hk, Dk], b, a [B, T, Hv] (any strides) -> q and k L2-normalised per head
+    (x * rsqrt(sum x^2 + eps)), beta = sigmoid(b) and g = -exp(A_log) * softplus(a +
+    dt_bias), all float32 and contiguous: the GDN chunked rule's inputs, in one launch."""
+    B, T, Hk, Dk = q.shape
+    Hv = b.shape[-1]
+    qn = torch.empty(B, T, Hk, Dk, dtype=torch.float32, device=q.device)
+    kn = torch.empty_like(qn)
+    beta = torch.empty(B, T, Hv, dtype=torch.float32, device=q.device)
+    g = torch.empty_like(beta)
+    _qk_norm_gates_kernel[(B * T,)](q, k, b, a, A_log, dt_bias, qn, kn, beta, g, T,
+                                    *q.stride(), *k.stride(), *b.stride(), *a.stride(), eps,
+                                    HK=Hk, DK=Dk, HV=Hv, BH=triton.next_power_of_2(Hk),
+                                    BD=triton.next_power_of_2(Dk),
+                                    BV=triton.next_power_of_2(Hv))
+    return qn, kn, beta, g
+
+
+def qk_norm_gates_reference(q, k, b, a, A_log, dt_bias, eps=1e-6):
+    """The torch chain of `ninfer.model.gdn` (`l2_normalize`, `GatedDeltaNet._gates`)."""
+    def l2(x):
+        x = x.float()
+        return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+    beta = torch.sigmoid(b.float())
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return l2(q), l2(k), beta, g

@@ -189,15 +189,15 @@ class GatedDeltaNet(nn.Module):
             o, recurrent = self._steps_on_device(dev, conv_out, b, a, state, all_states)
             return self._out(o, z, residual), GDNState(conv_tail, recurrent)
         q, k, v = conv_out.transpose(1, 2).split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
-        wide = compute_dtype(x)
-        q = l2_normalize(q.reshape(B, T, Hk, Dk).to(wide))  # [B, T, Hk, Dk]
-        k = l2_normalize(k.reshape(B, T, Hk, Dk).to(wide))
-        v = v.reshape(B, T, Hv, Dv)
-        beta, g = self._gates(b, a, wide)  # [B, T, Hv]
-
-        if dev is not None:  # a prefill chunk
+        q, k, v = q.reshape(B, T, Hk, Dk), k.reshape(B, T, Hk, Dk), v.reshape(B, T, Hv, Dv)
+        if dev is not None:  # a prefill chunk: its norms and gates in one launch
+            q, k, beta, g = dev.qk_norm_gates(q, k, b, a, self.A_log, self.dt_bias)
             o, recurrent = dev.chunk(q, k, v, g, beta, initial_state=state.recurrent)
-        elif all_states or T <= self.RECURRENT_MAX_TOKENS:
+            return self._out(o, z, residual), GDNState(conv_tail, recurrent)
+        wide = compute_dtype(x)
+        q, k = l2_normalize(q.to(wide)), l2_normalize(k.to(wide))  # [B, T, Hk, Dk]
+        beta, g = self._gates(b, a, wide)  # [B, T, Hv]
+        if all_states or T <= self.RECURRENT_MAX_TOKENS:
             o, recurrent = recurrent_gated_delta_rule(
                 q, k, v, g, beta, initial_state=state.recurrent, all_states=all_states)
         else:

@@ -68,3 +68,24 @@ def test_rope_equals_apply_rope(dtype, rotary):
     _close(got, apply_rope(x, cos, sin), dtype)
     if rotary < D:
         assert torch.equal(got[..., rotary:], x[..., rotary:])  # the rest passes through
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_norm_gates_of_a_conv_output_view(dtype):
+    """The GDN chunk's inputs from views like the model's: q and k heads out of a conv
+    output [B, C, T] seen as [B, T, C] (channel stride T), gates out of a projection's
+    columns; a's range covers both sides of softplus's threshold (20)."""
+    B, T, Hk, Dk, Hv = 2, 5, 3, 24, 6
+    conv = _randn(B, 2 * Hk * Dk + 8, T, dtype=dtype).transpose(1, 2)
+    q = conv[..., :Hk * Dk].reshape(B, T, Hk, Dk)
+    k = conv[..., Hk * Dk:2 * Hk * Dk].reshape(B, T, Hk, Dk)
+    proj = _randn(B, T, 3 * Hv, dtype=dtype)
+    b, a = proj[..., :Hv], proj[..., Hv:2 * Hv] * 15
+    A_log, dt_bias = _randn(Hv, dtype=dtype) * 0.5, _randn(Hv, dtype=dtype) * 5
+    got = fused.qk_norm_gates(q, k, b, a, A_log, dt_bias)
+    want = fused.qk_norm_gates_reference(q, k, b, a, A_log, dt_bias)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == torch.float32 and g.is_contiguous()
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(got[0].norm(dim=-1), torch.ones(B, T, Hk, device=DEVICE), atol=1e-4)
+    assert (a.float() + dt_bias.float() > 20).any() and (got[3] <= 0).all()
