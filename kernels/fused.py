@@ -199,6 +199,14 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 @triton.jit
+def _l2_heads(src, dst, b, t, h, d, m, out, s_b, s_t, s_h, s_d, eps):
+    """One (lane, position)'s heads [BH, BD] read through any strides, each divided by its
+    L2 norm (eps inside the root), stored contiguous at `out`, float32."""
+    x = tl.load(src + b * s_b + t * s_t + h * s_h + d * s_d, mask=m, other=0.0).to(tl.float32)
+    tl.store(dst + out, x * tl.rsqrt(tl.sum(x * x, axis=1) + eps)[:, None], mask=m)
+
+
+@triton.jit
 def _qk_norm_gates_kernel(q_ptr, k_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, qn_ptr, kn_ptr,
                           beta_ptr, g_ptr, T, s_qb, s_qt, s_qh, s_qd, s_kb, s_kt, s_kh, s_kd,
                           s_bb, s_bt, s_bh, s_ab, s_at, s_ah, eps, HK: tl.constexpr,
@@ -210,11 +218,8 @@ def _qk_norm_gates_kernel(q_ptr, k_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, qn_ptr,
     d = tl.arange(0, BD)[None, :]
     m = (h < HK) & (d < DK)
     out = row * HK * DK + h * DK + d
-    for src, s_b, s_t, s_h, s_d, dst in ((q_ptr, s_qb, s_qt, s_qh, s_qd, qn_ptr),
-                                         (k_ptr, s_kb, s_kt, s_kh, s_kd, kn_ptr)):
-        x = tl.load(src + b * s_b + t * s_t + h * s_h + d * s_d, mask=m, other=0.0)
-        x = x.to(tl.float32)
-        tl.store(dst + out, x * tl.rsqrt(tl.sum(x * x, axis=1) + eps)[:, None], mask=m)
+    _l2_heads(q_ptr, qn_ptr, b, t, h, d, m, out, s_qb, s_qt, s_qh, s_qd, eps)
+    _l2_heads(k_ptr, kn_ptr, b, t, h, d, m, out, s_kb, s_kt, s_kh, s_kd, eps)
     hv = tl.arange(0, BV)
     mv = hv < HV
     bv = tl.load(b_ptr + b * s_bb + t * s_bt + hv * s_bh, mask=mv, other=0.0).to(tl.float32)

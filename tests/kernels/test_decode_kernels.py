@@ -477,3 +477,11 @@ def test_gdn_step_computes_the_gates_from_raw_projections():
     swapped = fused_recurrent_gated_delta_rule(q, k, v, None, None, state.clone(),
                                                gates=(b, a, a_log, dt_bias))
     assert not torch.allclose(swapped, want, atol=1e-3)
+    # a verify's form: every position's state kept, q and k normalised in the kernel too
+    want, want_all = fused_recurrent_gated_delta_rule(q, k, v, g, beta, state, all_states=True)
+    got, got_all = fused_recurrent_gated_delta_rule(q * 3, k * 0.5, v, None, None, state,
+                                                    all_states=True, use_qk_l2norm=True,
+                                                    gates=(a, b, a_log, dt_bias))
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+    assert torch.allclose(got_all, want_all, atol=1e-5, rtol=1e-4)
+    assert torch.allclose(got_all[:, -1], want_s, atol=1e-5, rtol=1e-4)
