@@ -81,10 +81,13 @@ class Bench:
         ids = [self.submit(engine, p, tokens, f"d{i}") for i, p in enumerate(prompts)]
         while any(not engine.requests.get(r) or not engine.requests[r].outputs for r in ids):
             engine.step()  # prefill everyone first: this figure is decode only
-        rounds = []
-        engine.log.listeners.append(
-            lambda e: rounds.append((e.drafted, e.accepted)) if e.kind == "TokensCommitted"
-            else None)
+        rounds, times = [], []
+
+        def on_event(e) -> None:
+            if e.kind == "TokensCommitted":
+                rounds.append((e.drafted, e.accepted))
+                times.append(time.perf_counter())
+        engine.log.listeners.append(on_event)
         restore = _force_drafts(drafts, answers)
         try:
             t0 = time.perf_counter()
@@ -93,7 +96,12 @@ class Bench:
         finally:
             restore()
         done = sum(len(engine.requests[r].outputs) - 1 for r in ids)
+        # one lane: the engine's pace between its commits (a verify round each), without
+        # the turn's start and end (the request's finishing is in tok_s)
+        gaps = sorted(b - a for a, b in zip(times, times[1:], strict=False)) if batch == 1 \
+            else []
         return {"tok_s": done / seconds, "tokens": done, "verifies": len(rounds),
+                "round_us_median": gaps[len(gaps) // 2] * 1e6 if gaps else None,
                 "tokens_per_verify": done / max(len(rounds), 1),
                 "drafted": sum(d for d, _ in rounds), "accepted": sum(a for _, a in rounds)}
 
