@@ -40,6 +40,22 @@ from .hybrid import ForwardOutput, HybridState
 MAX_TOKENS = 8   # longest verify taken by a graph (drafts + 1)
 
 
+def _warm_and_capture(forward, pool):
+    """(graph, what forward() returned in it): forward run twice first on a side stream
+    (Triton compiles, cuBLAS picks its kernels: not inside a capture), then captured into
+    the memory pool `pool`."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.inference_mode(), torch.cuda.stream(stream):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return graph, out
+
+
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
@@ -108,15 +124,7 @@ class VerifyGraphs:
             state = HybridState(gdn, PagedKV(m.kv_k, m.kv_v, m.block_size, tables))
             return net.forward(ids, positions, state, all_states=True)
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.inference_mode(), torch.cuda.stream(stream):
-            for _ in range(2):  # Triton compiles, cuBLAS picks its kernels: not in a graph
-                forward()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
-            out = forward()
+        graph, out = _warm_and_capture(forward, self.pool)
         cap = _Captured(graph, S, T, W, inputs,
                         torch.zeros_like(inputs, device="cpu").pin_memory(), out)
         self.graphs[(S, T, W)] = cap
@@ -154,7 +162,7 @@ class MtpGraphs:
         host[2:] = self.model.scratch_block
         host[2:2 + len(lane.mtp_blocks)] = lane.mtp_blocks
         cap.inputs.copy_(cap.staging, non_blocking=True)
-        cap.hidden.view(-1).copy_(hidden.view(-1))
+        cap.hidden.view(-1).copy_(hidden.reshape(-1))
         cap.graph.replay()
         logits = cap.logits.clone()
         return MtpOut(int(logits.argmax()), cap.out.clone(), logits)
@@ -171,15 +179,7 @@ class MtpGraphs:
             out = net.mtp_forward(hidden, inputs[:1].view(1, 1), inputs[1:2].view(1, 1), kv)
             return out.logits[0, 0], out.hidden[0, 0]
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.inference_mode(), torch.cuda.stream(stream):
-            for _ in range(2):
-                forward()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
-            logits, out = forward()
+        graph, (logits, out) = _warm_and_capture(forward, self.pool)
         cap = _MtpCaptured(graph, inputs, torch.zeros_like(inputs, device="cpu").pin_memory(),
                            hidden, logits, out)
         self.graphs[W] = cap

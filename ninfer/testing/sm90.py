@@ -93,25 +93,20 @@ class _Compiling:
         return launch
 
 
+_MODULES = tuple(f"kernels.{name}" for name in (
+    "conv1d", "decode_attention", "fused", "gdn_chunk", "gdn_decode", "greedy", "kv_write",
+    "paged_attention", "skinny"))
+
+
 def _patch(seen: dict) -> None:
     """Every module-level Triton kernel of `kernels` compiles instead of running; launches
     take PDL; the skinny GEMMs pick their GPU tiles."""
+    import importlib
+
     import triton
 
-    from kernels import (
-        conv1d,
-        decode_attention,
-        fused,
-        gdn_chunk,
-        gdn_decode,
-        greedy,
-        kv_write,
-        paged_attention,
-        pdl,
-        skinny,
-    )
-    for module in (conv1d, decode_attention, fused, gdn_chunk, gdn_decode, greedy, kv_write,
-                   paged_attention, skinny):
+    from kernels import pdl, skinny
+    for module in map(importlib.import_module, _MODULES):
         for name, value in list(vars(module).items()):
             if isinstance(value, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
                 setattr(module, name, _Compiling(value, seen))
@@ -215,7 +210,9 @@ def _launches() -> None:
 
 
 def compile_all() -> tuple[dict[str, set[str]], list[str]]:
-    """{kernel: its resource lines} for every launch `_launches` makes, and the failures."""
+    """{kernel: its resource lines} for every launch `_launches` makes, and the failures.
+    The kernel modules stay patched (their kernels compile instead of running): call it in
+    a process of its own, as `python -m ninfer.testing.sm90` does."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("run without TRITON_INTERPRET: the kernels must be compiled ones")
     seen: dict[str, set[str]] = {}
