@@ -187,24 +187,28 @@ class GatedDeltaNet(nn.Module):
                 all_states=all_states)
         if dev is not None and (all_states or T == 1):  # a verify, or a step off the pools
             o, recurrent = self._steps_on_device(dev, conv_out, b, a, state, all_states)
-            return self._out(o, z, residual), GDNState(conv_tail, recurrent)
-        q, k, v = conv_out.transpose(1, 2).split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
-        q, k, v = q.reshape(B, T, Hk, Dk), k.reshape(B, T, Hk, Dk), v.reshape(B, T, Hv, Dv)
-        if dev is not None:  # a prefill chunk: its norms and gates in one launch
+        else:
+            q, k, v = conv_out.transpose(1, 2).split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+            q, k = q.reshape(B, T, Hk, Dk), k.reshape(B, T, Hk, Dk)
+            v = v.reshape(B, T, Hv, Dv)
+            o, recurrent = self._rule(dev, q, k, v, b, a, state, all_states, chunk_size)
+        return self._out(o, z, residual), GDNState(conv_tail, recurrent.to(state.recurrent.dtype))
+
+    def _rule(self, dev, q, k, v, b, a, state: GDNState, all_states: bool,
+              chunk_size: int) -> tuple[Tensor, Tensor]:
+        """The rule over q, k, v [B, T, H, D] straight from the conv: a prefill chunk in the
+        Triton chunk kernel (its norms and gates in one launch), else the torch references."""
+        if dev is not None:
             q, k, beta, g = dev.qk_norm_gates(q, k, b, a, self.A_log, self.dt_bias)
-            o, recurrent = dev.chunk(q, k, v, g, beta, initial_state=state.recurrent)
-            return self._out(o, z, residual), GDNState(conv_tail, recurrent)
-        wide = compute_dtype(x)
+            return dev.chunk(q, k, v, g, beta, initial_state=state.recurrent)
+        wide = compute_dtype(q)
         q, k = l2_normalize(q.to(wide)), l2_normalize(k.to(wide))  # [B, T, Hk, Dk]
         beta, g = self._gates(b, a, wide)  # [B, T, Hv]
-        if all_states or T <= self.RECURRENT_MAX_TOKENS:
-            o, recurrent = recurrent_gated_delta_rule(
-                q, k, v, g, beta, initial_state=state.recurrent, all_states=all_states)
-        else:
-            o, recurrent = chunk_gated_delta_rule(
-                q, k, v, g, beta, initial_state=state.recurrent, chunk_size=chunk_size)
-        y = self._out(o, z, residual)
-        return y, GDNState(conv_tail, recurrent.to(state.recurrent.dtype))
+        if all_states or q.shape[1] <= self.RECURRENT_MAX_TOKENS:
+            return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state.recurrent,
+                                              all_states=all_states)
+        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state.recurrent,
+                                      chunk_size=chunk_size)
 
     def _out(self, o: Tensor, z: Tensor, residual: Tensor | None) -> Tensor:
         """o, z [B, T, Hv, Dv] -> out_proj(gated norm(o, z)) (+ residual) [B, T, hidden]."""

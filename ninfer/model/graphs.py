@@ -53,6 +53,24 @@ WIDTHS = (64, 256, 1024, 4096, 16384)   # block-table columns (x block_size posi
 RING = 3   # pinned staging buffers per graph: reused only once their step has completed
 
 
+def warm_and_capture(forward, pool):
+    """(graph, what forward() returned in it): forward run twice first on a side stream
+    (Triton compiles, cuBLAS picks its kernels: not inside a capture), then captured into
+    the memory pool `pool`. Every tensor a replay reads must be the graph's own or kept
+    alive by the caller: one made outside and dropped after the capture is freed, and its
+    memory handed to others while replays still read it."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.inference_mode(), torch.cuda.stream(stream):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return graph, out
+
+
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
@@ -238,15 +256,8 @@ class DecodeGraphs:
             return self.forward(ids, positions, HybridState(gdn, kv), embedded=(h, (cos, sin)),
                                 greedy=keys)
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.inference_mode(), torch.cuda.stream(stream):
-            for _ in range(2):  # Triton compiles, cuBLAS picks its kernels: not in a graph
-                forward()  # (resets the keys: a step fed from them never captures, below)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
-            out = forward()
+        # (the warm-up resets the keys: a step fed from them never captures, in _launch)
+        graph, out = warm_and_capture(forward, self.pool)
         cap = _Captured(graph, S, W, inputs, out.logits, out.hidden, keys)
         for _ in range(RING):
             cap.staging.append((torch.zeros_like(inputs, device="cpu").pin_memory(),

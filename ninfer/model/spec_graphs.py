@@ -34,26 +34,10 @@ from torch import Tensor
 
 from ..engine.model import MtpOut
 from .gdn import SlotGDNState
-from .graphs import SIZES, WIDTHS
+from .graphs import SIZES, WIDTHS, warm_and_capture
 from .hybrid import ForwardOutput, HybridState
 
 MAX_TOKENS = 8   # longest verify taken by a graph (drafts + 1)
-
-
-def _warm_and_capture(forward, pool):
-    """(graph, what forward() returned in it): forward run twice first on a side stream
-    (Triton compiles, cuBLAS picks its kernels: not inside a capture), then captured into
-    the memory pool `pool`."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.inference_mode(), torch.cuda.stream(stream):
-        for _ in range(2):
-            forward()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
-        out = forward()
-    return graph, out
 
 
 @dataclass
@@ -116,15 +100,14 @@ class VerifyGraphs:
         from .torch_model import PagedKV
 
         def forward() -> ForwardOutput:
-            # every tensor a replay reads is the graph's own or kept in _Captured: the
-            # positions made in the graph (a tensor made outside and dropped after the
-            # capture would be freed, its memory handed to others while replays read it)
+            # the positions made in the graph: a replay may read only tensors that stay
+            # alive (`warm_and_capture`)
             positions = starts[:, None] + torch.arange(T, device=m.device)
             gdn = {i: SlotGDNState(m.conv[i], m.recurrent[i], slots) for i in m.conv}
             state = HybridState(gdn, PagedKV(m.kv_k, m.kv_v, m.block_size, tables))
             return net.forward(ids, positions, state, all_states=True)
 
-        graph, out = _warm_and_capture(forward, self.pool)
+        graph, out = warm_and_capture(forward, self.pool)
         cap = _Captured(graph, S, T, W, inputs,
                         torch.zeros_like(inputs, device="cpu").pin_memory(), out)
         self.graphs[(S, T, W)] = cap
@@ -179,7 +162,7 @@ class MtpGraphs:
             out = net.mtp_forward(hidden, inputs[:1].view(1, 1), inputs[1:2].view(1, 1), kv)
             return out.logits[0, 0], out.hidden[0, 0]
 
-        graph, (logits, out) = _warm_and_capture(forward, self.pool)
+        graph, (logits, out) = warm_and_capture(forward, self.pool)
         cap = _MtpCaptured(graph, inputs, torch.zeros_like(inputs, device="cpu").pin_memory(),
                            hidden, logits, out)
         self.graphs[W] = cap

@@ -138,8 +138,9 @@ def load(args: argparse.Namespace) -> Loaded:
                     kv_capacity=args.kv_capacity, num_slots=args.state_slots,
                     mtp=args.spec == "mtp")
     if args.spec != "none" and getattr(om.model, "graphs", None) is not None:
-        log.warning("--spec %s on %s: verify forwards and drafts run outside CUDA graphs, "
-                    "slower than plain decode there (bench/results/engine-h200.json); "
+        log.warning("--spec %s on %s: verifies and drafts replay CUDA graphs, but a verify "
+                    "of 4 positions costs ~4 plain steps and rounds do not run ahead, so it "
+                    "decodes slower than plain there (bench/results/engine-h200.json); "
                     "--spec none is the fast path", args.spec, args.device)
     config = EngineConfig(max_concurrency=args.max_concurrency, prefill_chunk=args.prefill_chunk,
                           spec=args.spec, draft_tokens=args.draft_tokens,
