@@ -101,14 +101,15 @@ def live(tmp_path_factory) -> Running:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
-            status = httpx.get(f"{url}/health", timeout=2).status_code
+            response = httpx.get(f"{url}/health", timeout=2)
         except httpx.TransportError:
             time.sleep(0.02)
             continue
+        status = response.status_code
         if first is None:
             first = status
-            if status == 503:
-                assert int(httpx.get(f"{url}/health").headers["retry-after"]) >= 1
+            if status == 503:  # that very answer (a second request may find it ready)
+                assert int(response.headers["retry-after"]) >= 1
         if status == 200:
             break
         time.sleep(0.05)
