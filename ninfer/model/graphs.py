@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from kernels import device_kernels
+from kernels import device_kernels, prefetch
 from kernels.greedy import KEY_NONE, token_of
 
 from .gdn import SlotGDNState
@@ -80,6 +80,7 @@ class _Captured:
     logits: Tensor        # [S, 1, V]
     hidden: Tensor        # [S, 1, D]
     keys: Tensor          # [S] int64: the greedy keys (shared by the graphs of S lanes)
+    plan: prefetch.L2Plan | None  # the L2 prefetcher's, where one runs beside the step
     # pinned host twins of the inputs and of the greedy tokens, with the step that used
     # them last (its event: the buffer is free again once it has completed)
     staging: list[tuple[Tensor, Tensor]] = field(default_factory=list)
@@ -131,6 +132,7 @@ class DecodeGraphs:
         self.ahead: _Ahead | None = None
         self.run_ahead = os.environ.get("NINFER_AHEAD", "1") != "0"  # the benchmark's "before"
         self.adopted = self.dropped = 0   # steps run ahead, by fate (for tests and benches)
+        self.l2_ahead = prefetch.ahead_bytes()  # the L2 prefetcher's lead (0: none)
 
     @staticmethod
     def fits(lanes) -> bool:
@@ -250,15 +252,30 @@ class DecodeGraphs:
                              torch.promote_types(m.dtype, torch.float32), m.device)
         start = device_kernels().decode_start
 
-        def forward():
+        def step():
             h, cos, sin = start(ids, positions, keys, net.model.embed_tokens.weight, inv_freq)
             kv = PagedKV(m.kv_k, m.kv_v, m.block_size, tables)
             return self.forward(ids, positions, HybridState(gdn, kv), embedded=(h, (cos, sin)),
                                 greedy=keys)
 
+        plan = prefetch.L2Plan(self.l2_ahead) if self.l2_ahead > 0 else None
+        recorded = False
+
+        def forward():
+            nonlocal recorded
+            if plan is None:
+                return step()
+            with prefetch.using(plan):
+                if not recorded:
+                    recorded = True
+                    with plan.recording():
+                        return step()
+                with plan.applying(m.device):
+                    return step()
+
         # (the warm-up resets the keys: a step fed from them never captures, in _launch)
         graph, out = warm_and_capture(forward, self.pool)
-        cap = _Captured(graph, S, W, inputs, out.logits, out.hidden, keys)
+        cap = _Captured(graph, S, W, inputs, out.logits, out.hidden, keys, plan)
         for _ in range(RING):
             cap.staging.append((torch.zeros_like(inputs, device="cpu").pin_memory(),
                                 torch.zeros(S, dtype=torch.long).pin_memory()))

@@ -95,7 +95,7 @@ class _Compiling:
 
 _MODULES = tuple(f"kernels.{name}" for name in (
     "conv1d", "decode_attention", "fused", "gdn_chunk", "gdn_decode", "greedy", "kv_write",
-    "paged_attention", "skinny"))
+    "paged_attention", "prefetch", "skinny"))
 
 
 def _patch(seen: dict) -> None:
@@ -128,6 +128,7 @@ def _launches() -> None:
         greedy,
         kv_write,
         paged_attention,
+        prefetch,
         skinny,
     )
     bf, H, inter, V = torch.bfloat16, 1024, 3072, 4096
@@ -149,6 +150,17 @@ def _launches() -> None:
                        conv=(pool, slots, r(conv_dim, 4)))
     skinny.norm_linear(x, nw, 1e-6, r(V, H), normed=True,
                        argmax=torch.zeros(1, dtype=torch.int64))
+    # a decode graph's GEMM counting itself for the L2 prefetcher beside the step
+    w, plan = r(H, inter), prefetch.L2Plan(1 << 20)
+    with prefetch.using(plan):
+        with plan.recording():
+            skinny.linear(r(1, 1, inter), w, residual=x)
+        plan.progress = torch.zeros(1, dtype=torch.int32)
+        plan._mode = "apply"
+        skinny.linear(r(1, 1, inter), w, residual=x)
+    table = torch.tensor(plan.chunks()).view(-1, 3)
+    prefetch._prefetcher_kernel[(1,)](table, table.shape[0], plan.progress, 1,
+                                      NT=prefetch.THREADS, num_warps=prefetch.THREADS // 32)
     # elementwise
     fused.rms_norm(r(2, 8, H), nw, 1e-6, residual=r(2, 8, H))
     fused.gated_rms_norm(r(8, Hv, D), r(8, Hv, D), r(D), 1e-6)
