@@ -82,10 +82,13 @@ def test_qk_norm_gates_of_a_conv_output_view(dtype):
     proj = _randn(B, T, 3 * Hv, dtype=dtype)
     b, a = proj[..., :Hv], proj[..., Hv:2 * Hv] * 15
     A_log, dt_bias = _randn(Hv, dtype=dtype) * 0.5, _randn(Hv, dtype=dtype) * 5
+    a[0, 0, 0] = 30 - dt_bias[0]  # one gate each side of the threshold, whatever the draw
+    a[1, 0, 1] = -30 - dt_bias[1]
     got = fused.qk_norm_gates(q, k, b, a, A_log, dt_bias)
     want = fused.qk_norm_gates_reference(q, k, b, a, A_log, dt_bias)
     for g, w in zip(got, want, strict=True):
         assert g.dtype == torch.float32 and g.is_contiguous()
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
     assert torch.allclose(got[0].norm(dim=-1), torch.ones(B, T, Hk, device=DEVICE), atol=1e-4)
-    assert (a.float() + dt_bias.float() > 20).any() and (got[3] <= 0).all()
+    above = a.float() + dt_bias.float() > 20
+    assert above.any() and not above.all() and (got[3] <= 0).all()
