@@ -11,9 +11,11 @@ which the prefetcher polls. The GEMMs then find their weights in L2. Prefetches 
 value; the prefetcher sets the counter back to zero once the step's last GEMM has begun.
 
 The plan is made from a recorded forward (`recording`), then applied to forwards run the
-same way (`applying`: a CUDA graph's warm-up and capture). A GEMM whose weight is larger
-than `ahead` (the LM head) is left out of the stream: it streams at full bandwidth on its
-own, and fetching it would evict what the rest fetched.
+same way (`applying`: a CUDA graph's warm-up and capture). Its table has a row per piece of
+the stream (at most `THREADS` prefetches of `CHUNK` bytes, one a thread), each with its own
+release, so the lead holds piece by piece. A weight larger than any Hopper L2 (`LARGEST`:
+the LM head) is left out of the stream: it streams at full bandwidth on its own, and
+fetching it would evict what the rest fetched.
 """
 
 from __future__ import annotations
@@ -33,7 +35,15 @@ def ahead_bytes() -> int:
 
 
 CHUNK = int(os.environ.get("NINFER_L2_CHUNK", str(64 * 1024)))  # bytes a prefetch
-THREADS = 128   # the prefetcher's: one program, a chunk per thread at a time
+THREADS = 32    # the prefetcher's: one program of one warp, a chunk a thread per piece
+PATIENCE = 1 << 22     # the prefetcher's polls of the counter in all, at most
+LARGEST = 64 * 2 ** 20  # a weight above this is left out of the stream (the LM head)
+
+
+def streamed(address: int, n: int) -> bool:
+    """Whether a weight goes into the stream: not above LARGEST, and where a bulk prefetch
+    may name it (16-byte aligned, a multiple of 16 bytes)."""
+    return n <= LARGEST and address % 16 == 0 and n % 16 == 0
 
 
 class L2Plan:
@@ -42,7 +52,7 @@ class L2Plan:
     def __init__(self, ahead: int, chunk: int | None = None) -> None:
         self.ahead, self.chunk = ahead, chunk or CHUNK
         self.calls: list[tuple[int, int]] = []   # (address, bytes) per GEMM, in order
-        self.table: Tensor | None = None         # [chunks, 3] int64 (address, bytes, release)
+        self.table: Tensor | None = None         # [pieces, 3] int64 (address, bytes, release)
         self.progress: Tensor | None = None      # int32 [1]: GEMMs of this step begun
         self._mode: str | None = None
         self._next = 0
@@ -64,15 +74,14 @@ class L2Plan:
             yield self
             return
         if self.table is None:
-            self.table = torch.tensor(self.chunks(), dtype=torch.int64,
+            self.table = torch.tensor(self.pieces(), dtype=torch.int64,
                                       device=device).view(-1, 3)
             self.progress = torch.zeros(1, dtype=torch.int32, device=device)
         main = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            _prefetcher_kernel[(1,)](self.table, self.table.shape[0], self.progress,
-                                     len(self.calls), NT=THREADS, num_warps=THREADS // 32)
+            launch_prefetcher(self.table, self.progress, len(self.calls), self.chunk)
         self._mode, self._next = "apply", 0
         try:
             yield self
@@ -82,22 +91,23 @@ class L2Plan:
         if self._next != len(self.calls):
             raise RuntimeError(f"{self._next} GEMMs ran of the {len(self.calls)} recorded")
 
-    def chunks(self) -> list[tuple[int, int, int]]:
-        """(address, bytes, release) per chunk of the stream, in stream order: a chunk is
-        released once `release` GEMMs have begun, the last of them the first whose start is
-        within `ahead` bytes of the chunk (0: at once)."""
+    def pieces(self) -> list[tuple[int, int, int]]:
+        """(address, bytes, release) per piece of the stream, in stream order: a piece is
+        at most THREADS chunks, and is released once `release` GEMMs have begun, the last
+        of them the first whose weight starts within `ahead` bytes of the piece, or the
+        piece's own GEMM where none does (0: at once)."""
         starts, pos = [], 0
-        for _, n in self.calls:
+        for addr, n in self.calls:
             starts.append(pos)
-            pos += n if n <= self.ahead else 0
-        out, j = [], 0
-        for (addr, n), s in zip(self.calls, starts, strict=True):
-            if n > self.ahead:
+            pos += n if streamed(addr, n) else 0
+        piece, out, j = THREADS * self.chunk, [], 0
+        for i, ((addr, n), s) in enumerate(zip(self.calls, starts, strict=True)):
+            if not streamed(addr, n):
                 continue
-            for lo in range(0, n, self.chunk):
-                while starts[j] + self.ahead < s + lo:
+            for lo in range(0, n, piece):  # at the latest when its own GEMM begins
+                while j < i and starts[j] + self.ahead < s + lo:
                     j += 1
-                out.append((addr + lo, min(self.chunk, n - lo), j + 1 if j else 0))
+                out.append((addr + lo, min(piece, n - lo), j + 1 if j else 0))
         return out
 
     def take(self, w: Tensor) -> Tensor | None:
@@ -144,32 +154,47 @@ def begun(progress_ptr, first, ON: tl.constexpr):
 
 
 @triton.jit
-def _wait_for(progress_ptr, target):
-    """Poll until the counter reaches target, or ~2^22 polls have passed (seconds: a GEMM
-    that never counts must not hang the GPU)."""
-    done = tl.load(progress_ptr, volatile=True)
-    polls = 0
-    while (done < target) & (polls < 4194304):
-        done = tl.load(progress_ptr, volatile=True)
-        polls += 1
+def _pick(v, t, i):
+    return tl.sum(tl.where(t == i, v, 0))
 
 
 @triton.jit
-def _prefetcher_kernel(table_ptr, n_chunks, progress_ptr, calls, NT: tl.constexpr):
+def _prefetcher_kernel(table_ptr, n_pieces, progress_ptr, calls, CHUNK: tl.constexpr,
+                       NT: tl.constexpr, PATIENCE: tl.constexpr):
+    """Polls the counter only while a piece waits for its release, at most PATIENCE times in
+    all (seconds: a GEMM that never counts must not hang the GPU)."""
     t = tl.arange(0, NT)
-    for c0 in range(0, n_chunks, NT):
-        c = c0 + t
-        m = c < n_chunks
-        addr = tl.load(table_ptr + c * 3, mask=m, other=0)
-        size = tl.load(table_ptr + c * 3 + 1, mask=m, other=0).to(tl.int32)
-        release = tl.max(tl.load(table_ptr + c * 3 + 2, mask=m, other=0))
-        _wait_for(progress_ptr, release)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.gt.s32 p, $2, 0; "
-            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
-    _wait_for(progress_ptr, calls)
+    seen = tl.load(progress_ptr, volatile=True)
+    polls = 0
+    for p0 in range(0, n_pieces, NT):  # NT rows of the table at a time, a row a piece
+        p = p0 + t
+        m = p < n_pieces
+        addrs = tl.load(table_ptr + p * 3, mask=m, other=0)
+        sizes = tl.load(table_ptr + p * 3 + 1, mask=m, other=0)
+        releases = tl.load(table_ptr + p * 3 + 2, mask=m, other=0)
+        for i in range(NT):  # rows past the table's end: no bytes, released at once
+            release = _pick(releases, t, i)
+            while (seen < release) & (polls < PATIENCE):
+                seen = tl.load(progress_ptr, volatile=True)
+                polls += 1
+            size = (_pick(sizes, t, i) - t * CHUNK).to(tl.int32)  # this thread's chunk
+            size = tl.minimum(size, CHUNK)
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.gt.s32 p, $2, 0; "
+                "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+                "=r,l,r", [_pick(addrs, t, i) + t * CHUNK, size], dtype=tl.int32,
+                is_pure=False, pack=1)
+    while (seen < calls) & (polls < PATIENCE):  # the step's last GEMM has begun
+        seen = tl.load(progress_ptr, volatile=True)
+        polls += 1
     tl.store(progress_ptr, 0)
+
+
+def launch_prefetcher(table: Tensor, progress: Tensor, calls: int, chunk: int) -> None:
+    """The prefetcher over `table` (`L2Plan.pieces`), one program of one warp, for a step of
+    `calls` counting GEMMs."""
+    _prefetcher_kernel[(1,)](table, table.shape[0], progress, calls, CHUNK=chunk,
+                             NT=THREADS, PATIENCE=PATIENCE, num_warps=1)
 
 
 __all__ = ["L2Plan", "ahead_bytes", "begun", "launch_args", "using"]

@@ -12,7 +12,7 @@ import sys
 
 from .report import write_line
 
-AHEAD_MIB = (0, 8, 16, 24, 32)
+AHEAD_MIB = (0, 4, 8, 16, 32)
 CHUNKS = (16384, 65536)
 
 

@@ -158,9 +158,8 @@ def _launches() -> None:
         plan.progress = torch.zeros(1, dtype=torch.int32)
         plan._mode = "apply"
         skinny.linear(r(1, 1, inter), w, residual=x)
-    table = torch.tensor(plan.chunks()).view(-1, 3)
-    prefetch._prefetcher_kernel[(1,)](table, table.shape[0], plan.progress, 1,
-                                      NT=prefetch.THREADS, num_warps=prefetch.THREADS // 32)
+    prefetch.launch_prefetcher(torch.tensor(plan.pieces()).view(-1, 3), plan.progress, 1,
+                               prefetch.CHUNK)
     # elementwise
     fused.rms_norm(r(2, 8, H), nw, 1e-6, residual=r(2, 8, H))
     fused.gated_rms_norm(r(8, Hv, D), r(8, Hv, D), r(D), 1e-6)
