@@ -10,7 +10,8 @@ transformers + fla on the same weights, each measured in the run that reports it
   time (a graph replay and its argmax), a verify of 4 positions and an MTP head step (graph
   replays too: `ninfer.model.spec_graphs`) against a plain step; decode at batch 1 again
   with the graphs not running the next step ahead (`ninfer.model.graphs`), the same-run
-  "before" of that.
+  "before" of that; and decode at batch 1 with the L2 prefetcher beside its graph
+  (`kernels.prefetch`) at a lead of NINFER_BENCH_L2 MiB (16; 0 leaves the row out).
 - baseline: transformers' Qwen3NextForCausalLM on the same files, with fla's kernels when
   transformers binds them (reported), `generate` greedy at batch 1 and 8, and a 4K prefill.
 """
@@ -18,6 +19,7 @@ transformers + fla on the same weights, each measured in the run that reports it
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 import time
 from pathlib import Path
@@ -98,6 +100,25 @@ def _without_ahead(bench, run):
         graphs.run_ahead = True
 
 
+def _with_l2(bench, mib: float, run):
+    """run() with the batch-1 decode graphs captured afresh with the L2 prefetcher beside
+    them at a lead of `mib` MiB (`kernels.prefetch`), then captured again without."""
+    graphs = bench.om.model.graphs
+    if graphs is None:
+        return {"error": "no decode graphs"}
+    before = graphs.l2_ahead
+
+    def recapture(ahead: int) -> None:
+        graphs.drop_ahead()
+        graphs.l2_ahead, graphs.graphs = ahead, {}
+
+    recapture(int(mib * 2 ** 20))
+    try:
+        return run()
+    finally:
+        recapture(before)
+
+
 def _settled(run, key: str, n: int = 3) -> dict:
     """run() once to warm, then n times: the median run by row[key], with every run's
     figure. (A 4K prefill takes ~75 ms; on the H200 its second run has measured 40% below
@@ -131,6 +152,10 @@ def main(json_path: str | None = None) -> int:
                       warm(lambda batch=batch: b.decode(batch, tokens=DECODE_TOKENS))))
     steps.append(("decode_b1_no_ahead", warm(lambda: _without_ahead(
         b, lambda: b.decode(1, tokens=DECODE_TOKENS)))))
+    lead = float(os.environ.get("NINFER_BENCH_L2", "16"))  # MiB; 0: no such row
+    if lead > 0:
+        steps.append((f"decode_b1_l2_{lead:g}mib", warm(lambda: _with_l2(
+            b, lead, lambda: b.decode(1, tokens=DECODE_TOKENS)))))
     steps.append(("decode_b1_4k",
                   warm(lambda: b.decode(1, tokens=DECODE_TOKENS, context=4096))))
     for drafts in (None, "accept", "reject"):  # warm too: a verify graph per round length
@@ -149,6 +174,10 @@ def main(json_path: str | None = None) -> int:
         row = r[f"decode_b{batch}"]
         if "tok_s" in row:
             row["roofline_fraction"] = row["tok_s"] / (batch * r["roofline_tok_s_b1"])
+    for key, row in r.items():
+        if key.startswith("decode_b1_l2") and "tok_s" in row:
+            row["roofline_fraction"] = row["tok_s"] / r["roofline_tok_s_b1"]
+            row["over_decode_b1"] = row["tok_s"] / r["decode_b1"].get("tok_s", float("nan"))
     if "tok_s" in r["decode_b1"] and "tok_s" in r["decode_b1_no_ahead"]:
         r["ahead_speedup_b1"] = r["decode_b1"]["tok_s"] / r["decode_b1_no_ahead"]["tok_s"]
     _write("engine", r, json_path)
