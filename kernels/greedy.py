@@ -88,13 +88,25 @@ def greedy_keys_reference(logits: Tensor) -> Tensor:
 
 @triton.jit
 def _decode_start_kernel(ids_ptr, pos_ptr, keys_ptr, emb_ptr, freq_ptr, h_ptr, cos_ptr,
-                         sin_ptr, D, R, s_e, V, BD: tl.constexpr, BR: tl.constexpr,
-                         PDL: tl.constexpr):
+                         sin_ptr, D, R, s_e, V, ring_ptr, turn_ptr, inputs_ptr, N, S, RING,
+                         BD: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
+                         FETCH: tl.constexpr, PDL: tl.constexpr):
     pdl.launch_dependents(PDL)
     b = tl.program_id(0)
-    staged = tl.load(ids_ptr + b)
+    if FETCH:  # the host's staging row of this turn, read through the bus (".cv": the
+        # L2 may hold an older turn's lines of it); a row staged for another turn (a replay
+        # the host did not count) is not used: the neutral row is, which no lane reads from
+        # or writes to, and publish_keys tells the host
+        turn = tl.load(turn_ptr)
+        mine = turn & (RING - 1)  # (RING a power of two: an int64 modulo spills here)
+        seq = tl.load(ring_ptr + mine * (N + 1), cache_modifier=".cv")
+        src = ring_ptr + tl.where(seq == turn, mine, RING) * (N + 1) + 1
+        staged = tl.load(src + b, cache_modifier=".cv")
+        pos = tl.load(src + S + b, cache_modifier=".cv")
+    else:
+        staged = tl.load(ids_ptr + b)
+        pos = tl.load(pos_ptr + b)
     key = tl.load(keys_ptr + b)
-    pos = tl.load(pos_ptr + b)
     pdl.wait(PDL)  # (nothing runs before this kernel in its graph: the rule for writes)
     tl.store(keys_ptr + b, KEY_NONE_C)  # this program read it: the next LM head folds anew
     left = _low_word(key & 4294967295)
@@ -109,14 +121,32 @@ def _decode_start_kernel(ids_ptr, pos_ptr, keys_ptr, emb_ptr, freq_ptr, h_ptr, c
     dt = cos_ptr.dtype.element_ty
     tl.store(cos_ptr + b * R + r, tl.cos(angles).to(dt), mask=r < R)
     tl.store(sin_ptr + b * R + r, tl.sin(angles).to(dt), mask=r < R)
+    if FETCH:  # this program's share of the whole staged buffer, for the kernels after
+        share = tl.cdiv(N, tl.num_programs(0))
+        end = tl.minimum(b * share + share, N)
+        for i0 in range(b * share, end, BN):
+            i = i0 + tl.arange(0, BN)
+            v = tl.load(src + i, mask=i < end, other=0, cache_modifier=".cv")
+            tl.store(inputs_ptr + i, v, mask=i < end)
+        if b == 0:
+            tl.store(turn_ptr + 1, seq)  # the row's turn, for publish_keys
 
 
 def decode_start(ids: Tensor, positions: Tensor, keys: Tensor, embedding: Tensor,
-                 inv_freq: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                 inv_freq: Tensor, fetch: tuple[Tensor, Tensor, Tensor] | None = None
+                 ) -> tuple[Tensor, Tensor, Tensor]:
     """One token per lane: ids, positions [B, 1] int64 (a negative id: the token `keys[b]`
     names), keys [B] (reset here), embedding [V, D], inv_freq [R] float32 (the rotary
     frequencies twice over). Returns h [B, 1, D] (the embedding rows) and cos, sin
-    [B, 1, R] in the embedding's dtype."""
+    [B, 1, R] in the embedding's dtype.
+
+    `fetch` = (ring [RING + 1, 1 + N] int64 in pinned host memory, RING a power of two;
+    turn [2] int64; inputs [N] int64), zero-copy staging: the staged inputs are read from
+    the host's ring, not from ids and positions (which must be views of inputs: ids its
+    first B, positions its next B), and copied into inputs for the kernels after this one.
+    The row read is turn[0] % RING where its first word (the turn the host staged it for)
+    is turn[0], else the last row (neutral: padding lanes only); turn[1] gets that first
+    word (`publish_keys` hands it back to the host and moves the turn on)."""
     B = ids.shape[0]
     V, D = embedding.shape
     R = inv_freq.shape[0]
@@ -124,14 +154,58 @@ def decode_start(ids: Tensor, positions: Tensor, keys: Tensor, embedding: Tensor
             or embedding.stride(-1) != 1:
         raise ValueError(f"decode_start takes ids/positions [B, 1] and keys [B], got "
                          f"{tuple(ids.shape)}, {tuple(positions.shape)}, {tuple(keys.shape)}")
+    ring, turn, inputs = fetch if fetch is not None else (keys, keys, keys)
+    if fetch is not None and (ring.dim() != 2 or not _power_of_two(ring.shape[0] - 1)
+                              or inputs.dim() != 1
+                              or ring.shape[1] != 1 + inputs.shape[0]
+                              or ring.dtype != torch.int64 or inputs.dtype != torch.int64
+                              or turn.shape != (2,) or ids.data_ptr() != inputs.data_ptr()
+                              or positions.data_ptr() != inputs.data_ptr() + 8 * B):
+        raise ValueError("decode_start fetches from an int64 ring [RING + 1, 1 + N] into "
+                         "inputs [N] whose first B are the ids and next B the positions")
     h = torch.empty(B, 1, D, dtype=embedding.dtype, device=embedding.device)
     cos = torch.empty(B, 1, R, dtype=embedding.dtype, device=embedding.device)
     sin = torch.empty_like(cos)
     _decode_start_kernel[(B,)](ids, positions, keys, embedding, inv_freq, h, cos, sin,
-                               D, R, embedding.stride(0), V,
+                               D, R, embedding.stride(0), V, ring, turn, inputs,
+                               ring.shape[-1] - 1, B, ring.shape[0] - 1,
                                BD=min(triton.next_power_of_2(D), 4096),
-                               BR=triton.next_power_of_2(R), **pdl.launch(embedding))
+                               BR=triton.next_power_of_2(R), BN=1024 if ids.is_cuda else 64,
+                               FETCH=fetch is not None, **pdl.launch(embedding))
     return h, cos, sin
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@triton.jit
+def _publish_keys_kernel(keys_ptr, ring_ptr, turn_ptr, S, RING, BS: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
+    turn = tl.load(turn_ptr)
+    row = ring_ptr + (turn & (RING - 1)) * (S + 1)
+    s = tl.arange(0, BS)
+    keys = tl.load(keys_ptr + s, mask=s < S)
+    tl.store(row + 1 + s, keys, mask=s < S, cache_modifier=".wt")
+    tl.store(row, tl.load(turn_ptr + 1), cache_modifier=".wt")
+    tl.store(turn_ptr, turn + 1)
+
+
+def publish_keys(keys: Tensor, ring: Tensor, turn: Tensor) -> None:
+    """The greedy keys [S] into the host's ring [RING, 1 + S] (int64, pinned; RING a power
+    of two) at row turn[0] % RING, after the turn of the inputs row decode_start read
+    (turn[1]: the host checks it is its own), and the turn moved on: a decode graph's last
+    kernel, where the host reads its tokens without a copy between replays."""
+    S = keys.shape[0]
+    if keys.shape != (S,) or ring.dim() != 2 or ring.shape[1] != 1 + S or turn.shape != (2,) \
+            or not _power_of_two(ring.shape[0]) \
+            or keys.dtype != torch.int64 or ring.dtype != torch.int64:
+        raise ValueError(f"publish_keys takes int64 keys [S] and ring [RING, 1 + S], got "
+                         f"{tuple(keys.shape)} and {tuple(ring.shape)}")
+    _publish_keys_kernel[(1,)](keys, ring, turn, S, ring.shape[0],
+                               BS=triton.next_power_of_2(S), **pdl.launch(keys))
 
 
 def decode_start_reference(ids, positions, keys, embedding, inv_freq):

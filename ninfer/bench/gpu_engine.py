@@ -10,8 +10,9 @@ transformers + fla on the same weights, each measured in the run that reports it
   time (a graph replay and its argmax), a verify of 4 positions and an MTP head step (graph
   replays too: `ninfer.model.spec_graphs`) against a plain step; decode at batch 1 again
   with the graphs not running the next step ahead (`ninfer.model.graphs`), the same-run
-  "before" of that; and decode at batch 1 with the L2 prefetcher beside its graph
-  (`kernels.prefetch`) at a lead of NINFER_BENCH_L2 MiB (16; 0 leaves the row out).
+  "before" of that; and decode at batch 1 with zero-copy staging (`ninfer.model.graphs`),
+  with the L2 prefetcher beside its graph (`kernels.prefetch`) at a lead of
+  NINFER_BENCH_L2 MiB (16; 0 leaves those rows out), and with both.
 - baseline: transformers' Qwen3NextForCausalLM on the same files, with fla's kernels when
   transformers binds them (reported), `generate` greedy at batch 1 and 8, and a 4K prefill.
 """
@@ -100,19 +101,22 @@ def _without_ahead(bench, run):
         graphs.run_ahead = True
 
 
-def _with_l2(bench, mib: float, run):
-    """run() with the batch-1 decode graphs captured afresh with the L2 prefetcher beside
-    them at a lead of `mib` MiB (`kernels.prefetch`), then captured again without."""
+def _recaptured(bench, run, **settings):
+    """run() with the decode graphs captured afresh under `settings` (DecodeGraphs'
+    attributes: l2_ahead, the L2 prefetcher's lead in bytes; zero_copy), then captured
+    again as they were (run: a warm one, its first call captures)."""
     graphs = bench.om.model.graphs
     if graphs is None:
         return {"error": "no decode graphs"}
-    before = graphs.l2_ahead
+    before = {k: getattr(graphs, k) for k in settings}
 
-    def recapture(ahead: int) -> None:
+    def recapture(values: dict) -> None:
         graphs.drop_ahead()
-        graphs.l2_ahead, graphs.graphs = ahead, {}
+        graphs.graphs = {}
+        for k, v in values.items():
+            setattr(graphs, k, v)
 
-    recapture(int(mib * 2 ** 20))
+    recapture(settings)
     try:
         return run()
     finally:
@@ -152,10 +156,15 @@ def main(json_path: str | None = None) -> int:
                       warm(lambda batch=batch: b.decode(batch, tokens=DECODE_TOKENS))))
     steps.append(("decode_b1_no_ahead", warm(lambda: _without_ahead(
         b, lambda: b.decode(1, tokens=DECODE_TOKENS)))))
-    lead = float(os.environ.get("NINFER_BENCH_L2", "16"))  # MiB; 0: no such row
+    lead = float(os.environ.get("NINFER_BENCH_L2", "16"))  # MiB; 0: no such rows
+    variants = {"zero_copy": {"zero_copy": True}}
     if lead > 0:
-        steps.append((f"decode_b1_l2_{lead:g}mib", warm(lambda: _with_l2(
-            b, lead, lambda: b.decode(1, tokens=DECODE_TOKENS)))))
+        l2 = {"l2_ahead": int(lead * 2 ** 20)}
+        variants |= {f"l2_{lead:g}mib": l2, f"l2_{lead:g}mib_zero_copy": {**l2, **variants[
+            "zero_copy"]}}
+    for name, settings in variants.items():
+        steps.append((f"decode_b1_{name}", lambda settings=settings: _recaptured(
+            b, warm(lambda: b.decode(1, tokens=DECODE_TOKENS)), **settings)))
     steps.append(("decode_b1_4k",
                   warm(lambda: b.decode(1, tokens=DECODE_TOKENS, context=4096))))
     for drafts in (None, "accept", "reject"):  # warm too: a verify graph per round length
@@ -175,7 +184,7 @@ def main(json_path: str | None = None) -> int:
         if "tok_s" in row:
             row["roofline_fraction"] = row["tok_s"] / (batch * r["roofline_tok_s_b1"])
     for key, row in r.items():
-        if key.startswith("decode_b1_l2") and "tok_s" in row:
+        if key.startswith(("decode_b1_l2", "decode_b1_zero_copy")) and "tok_s" in row:
             row["roofline_fraction"] = row["tok_s"] / r["roofline_tok_s_b1"]
             row["over_decode_b1"] = row["tok_s"] / r["decode_b1"].get("tok_s", float("nan"))
     if "tok_s" in r["decode_b1"] and "tok_s" in r["decode_b1_no_ahead"]:

@@ -13,6 +13,16 @@ logits and last hidden states come back in static outputs, copied out before the
 replay. The LM head folds each lane's greedy token into a key (`kernels.greedy`) inside
 the graph, so no argmax runs between replays.
 
+Zero-copy staging (NINFER_ZERO_COPY=1; off by default, not yet timed on a GPU). The copy
+of the inputs before a replay and of the greedy keys after it are stream operations of
+their own between two replays. With it, the host stages each launch's inputs in a row of
+a pinned ring, the row's first word the launch's number; the graph's first kernel reads the
+row of the device's turn over the bus and copies it into the static buffer, and its last
+kernel (`kernels.greedy.publish_keys`) writes the keys into the host's ring, with the
+number of the row it read, and moves the turn on. Every replay of such a graph must be
+launched here (`_launch` counts them): a row staged for another launch is not used (the
+ring's neutral last row is: padding lanes only) and reading that step's tokens raises.
+
 Running ahead. Between two decode steps the host has work of its own (reading the greedy
 tokens, the engine's bookkeeping, the journal): with one replay at a time the GPU idles
 through it. When the caller says it will feed each lane its greedy token next (`ahead`),
@@ -42,7 +52,7 @@ import torch
 from torch import Tensor
 
 from kernels import device_kernels, prefetch
-from kernels.greedy import KEY_NONE, token_of
+from kernels.greedy import KEY_NONE, publish_keys, token_of
 
 from .gdn import SlotGDNState
 from .hybrid import HybridState
@@ -50,7 +60,7 @@ from .layers import _inv_freq
 
 SIZES = (1, 2, 4, 8)
 WIDTHS = (64, 256, 1024, 4096, 16384)   # block-table columns (x block_size positions)
-RING = 3   # pinned staging buffers per graph: reused only once their step has completed
+RING = 4   # pinned staging buffers per graph (a power of two): reused once their step completed
 
 
 def warm_and_capture(forward, pool):
@@ -81,11 +91,12 @@ class _Captured:
     hidden: Tensor        # [S, 1, D]
     keys: Tensor          # [S] int64: the greedy keys (shared by the graphs of S lanes)
     plan: prefetch.L2Plan | None  # the L2 prefetcher's, where one runs beside the step
+    turn: Tensor | None   # zero-copy staging's device turn (None: copies between replays)
     # pinned host twins of the inputs and of the greedy tokens, with the step that used
     # them last (its event: the buffer is free again once it has completed)
     staging: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     used_by: list[torch.cuda.Event | None] = field(default_factory=list)
-    turn: int = 0
+    launches: int = 0     # replays launched (zero-copy: the device's turn is the next's)
 
 
 @dataclass
@@ -97,9 +108,15 @@ class _Step:
     keys_host: Tensor     # pinned copy of the greedy keys (valid once `done` has completed)
     done: torch.cuda.Event
     lanes: int
+    echo: tuple[Tensor, int] | None = None  # zero-copy: (the keys' row, the launch's turn)
 
     def greedy(self) -> list[int]:
         self.done.synchronize()
+        if self.echo is not None and int(self.echo[0][0]) != self.echo[1]:
+            raise RuntimeError(
+                f"zero-copy staging out of step: launch {self.echo[1]} found its row staged "
+                f"for launch {int(self.echo[0][0])} and ran on padding lanes only (a replay "
+                "not launched by DecodeGraphs?)")
         return token_of(self.keys_host[:self.lanes]).tolist()
 
 
@@ -133,6 +150,8 @@ class DecodeGraphs:
         self.run_ahead = os.environ.get("NINFER_AHEAD", "1") != "0"  # the benchmark's "before"
         self.adopted = self.dropped = 0   # steps run ahead, by fate (for tests and benches)
         self.l2_ahead = prefetch.ahead_bytes()  # the L2 prefetcher's lead (0: none)
+        # zero-copy staging (NINFER_ZERO_COPY=1): see the module docstring
+        self.zero_copy = os.environ.get("NINFER_ZERO_COPY", "0") == "1"
 
     @staticmethod
     def fits(lanes) -> bool:
@@ -206,13 +225,17 @@ class DecodeGraphs:
             if tokens is None:  # a capture would reset the keys that feed this step
                 raise RuntimeError("a step fed from the greedy keys replays its step's graph")
             cap = self._capture(S, W)
-        i = cap.turn = (cap.turn + 1) % RING
+        seq, cap.launches = cap.launches, cap.launches + 1
+        i = seq % RING
         if cap.used_by[i] is not None:  # its last copies may still be in flight
             cap.used_by[i].synchronize()
         staged, keys_host = cap.staging[i]
         # the pinned buffer written through numpy: a torch op per element costs microseconds
         # of host time, and the GPU idles for all of it
         host = staged.numpy()
+        if cap.turn is not None:  # zero-copy: the row's first word is the launch it is for
+            host[0] = seq
+            host = host[1:]
         host[:2 * S] = 0
         host[2 * S:4 * S] = -1                       # padding lanes: no slot
         tables = host[4 * S:].reshape(S, W)
@@ -223,15 +246,20 @@ class DecodeGraphs:
             host[3 * S + b] = at(lane.slot) if dests is None else dests[b]
             host[b] = -1 if tokens is None else tokens[b]
             tables[b, :len(lane.attn_blocks)] = lane.attn_blocks
-        cap.inputs.copy_(staged, non_blocking=True)
+        if cap.turn is None:  # (zero-copy: the graph reads them there, writes the keys)
+            cap.inputs.copy_(staged, non_blocking=True)
         cap.graph.replay()
         logits = cap.logits[:B, 0].clone() if outputs else None
         hidden = cap.hidden[:B, 0].clone() if outputs else None
-        keys_host[:B].copy_(cap.keys[:B], non_blocking=True)
+        echo = None
+        if cap.turn is None:
+            keys_host[:B].copy_(cap.keys[:B], non_blocking=True)
+        else:  # the graph wrote them, after the launch its inputs were staged for
+            echo, keys_host = (keys_host, seq), keys_host[1:]
         done = torch.cuda.Event()
         done.record()
         cap.used_by[i] = done
-        return _Step(logits, hidden, keys_host, done, B)
+        return _Step(logits, hidden, keys_host, done, B, echo)
 
     def _capture(self, S: int, W: int) -> _Captured:
         m = self.model
@@ -251,12 +279,26 @@ class DecodeGraphs:
         inv_freq = _inv_freq(c.rotary_dim, float(c.rope_theta),
                              torch.promote_types(m.dtype, torch.float32), m.device)
         start = device_kernels().decode_start
+        # zero-copy staging: the pinned ring the host stages into (a row a launch, its
+        # first word the launch it is for; the last row neutral, read where a row's turn is
+        # not the device's: the warm-up's) and reads the keys from, and the device's turn
+        ring = keys_ring = turn = None
+        if self.zero_copy:
+            row = torch.cat([torch.tensor([-1]), inputs.cpu()])
+            ring = torch.stack([row] * (RING + 1)).pin_memory()
+            keys_ring = torch.zeros(RING, 1 + S, dtype=torch.long).pin_memory()
+            turn = torch.zeros(2, dtype=torch.long, device=m.device)
+        fetch = {"fetch": (ring, turn, inputs)} if ring is not None else {}
 
         def step():
-            h, cos, sin = start(ids, positions, keys, net.model.embed_tokens.weight, inv_freq)
+            h, cos, sin = start(ids, positions, keys, net.model.embed_tokens.weight, inv_freq,
+                                **fetch)
             kv = PagedKV(m.kv_k, m.kv_v, m.block_size, tables)
-            return self.forward(ids, positions, HybridState(gdn, kv), embedded=(h, (cos, sin)),
-                                greedy=keys)
+            out = self.forward(ids, positions, HybridState(gdn, kv), embedded=(h, (cos, sin)),
+                               greedy=keys)
+            if ring is not None:
+                publish_keys(keys, keys_ring, turn)
+            return out
 
         plan = prefetch.L2Plan(self.l2_ahead) if self.l2_ahead > 0 else None
         recorded = False
@@ -275,10 +317,13 @@ class DecodeGraphs:
 
         # (the warm-up resets the keys: a step fed from them never captures, in _launch)
         graph, out = warm_and_capture(forward, self.pool)
-        cap = _Captured(graph, S, W, inputs, out.logits, out.hidden, keys, plan)
-        for _ in range(RING):
-            cap.staging.append((torch.zeros_like(inputs, device="cpu").pin_memory(),
+        cap = _Captured(graph, S, W, inputs, out.logits, out.hidden, keys, plan, turn)
+        for i in range(RING):
+            cap.staging.append((ring[i], keys_ring[i]) if ring is not None else
+                               (torch.zeros_like(inputs, device="cpu").pin_memory(),
                                 torch.zeros(S, dtype=torch.long).pin_memory()))
             cap.used_by.append(None)
+        if turn is not None:  # the warm-up moved it: in step with the host's next launch
+            turn[0].fill_(cap.launches)
         self.graphs[(S, W)] = cap
         return cap

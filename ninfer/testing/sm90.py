@@ -218,6 +218,13 @@ def _launches() -> None:
     greedy.decode_start(torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1,
                         dtype=torch.int64), torch.zeros(1, dtype=torch.int64), r(V, H),
                         torch.rand(32))
+    # zero-copy staging: the inputs fetched from the host's ring, the keys published to it
+    inputs = torch.zeros(4 + 64, dtype=torch.int64)
+    ring, turn = torch.zeros(5, 1 + 68, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+    keys = torch.zeros(1, dtype=torch.int64)
+    greedy.decode_start(inputs[:1].view(1, 1), inputs[1:2].view(1, 1), keys, r(V, H),
+                        torch.rand(32), fetch=(ring, turn, inputs))
+    greedy.publish_keys(keys, torch.zeros(4, 2, dtype=torch.int64), turn)
 
 
 def compile_all() -> tuple[dict[str, set[str]], list[str]]:

@@ -72,3 +72,49 @@ def test_decode_start_feeds_staged_tokens_or_the_keys_and_makes_the_rotary_angle
     assert (sin.float() - want_sin.float()).abs().max() <= tol
     with pytest.raises(ValueError, match="decode_start"):
         greedy.decode_start(ids[:, 0], positions, keys, emb, inv)
+
+
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_decode_start_fetches_its_turns_row_of_the_hosts_ring(lanes):
+    """Zero-copy staging: the inputs come from the ring's row turn % RING (the other rows
+    hold other turns' inputs), are copied whole into the device's buffer, and feed the step
+    as staged inputs do; publish_keys puts the keys in the same row with the turn of the
+    inputs used, and moves the turn on. A row staged for another turn is not used: the
+    neutral last row is, and the host is told."""
+    torch.manual_seed(3)
+    V, D, R, RING, W = 50, 40, 16, 4, 70
+    N = 4 * lanes + lanes * W
+    emb = torch.randn(V, D, device=DEVICE)
+    inv = _inv_freq(R, 1e6, torch.float32, torch.device(DEVICE))
+    ring = torch.randint(0, 1000, (RING + 1, 1 + N), device=DEVICE)
+    ring[:, 1:1 + lanes] = torch.randint(0, V, (RING + 1, lanes))  # ids
+    ring[2, 1] = -1  # turn 6's first lane takes the key's token
+    ring[:RING, 0] = torch.tensor([4, 9, 6, 3])  # the turn each row was staged for
+    ring[RING, 0] = -1
+    keys_ring = torch.full((RING, 1 + lanes), -9, dtype=torch.int64, device=DEVICE)
+    inputs = torch.full((N,), -7, dtype=torch.int64, device=DEVICE)
+    ids, positions = inputs[:lanes].view(lanes, 1), inputs[lanes:2 * lanes].view(lanes, 1)
+    turn = torch.tensor([6, 0], device=DEVICE)  # row 2
+    for row, staged_for in ((2, 6), (RING, 3)):  # turn 6's row; then turn 7's, staged as 3
+        keys = greedy.greedy_keys_reference(torch.randn(lanes, V, device=DEVICE))
+        src = ring[row, 1:]
+        want = greedy.decode_start_reference(src[:lanes, None], src[lanes:2 * lanes, None],
+                                             keys.clone(), emb, inv)
+        got = greedy.decode_start(ids, positions, keys, emb, inv, fetch=(ring, turn, inputs))
+        assert torch.equal(inputs, src), "the whole row reaches the device's buffer"
+        assert torch.equal(got[0], want[0])
+        for g, w in zip(got[1:], want[1:], strict=True):
+            assert (g - w).abs().max() <= (0.0 if DEVICE == "cuda" else 1e-6)
+        assert (keys == greedy.KEY_NONE).all()
+        keys = greedy.greedy_keys_reference(torch.randn(lanes, V, device=DEVICE))
+        greedy.publish_keys(keys, keys_ring, turn)
+        at = int(turn[0]) - 1
+        assert torch.equal(keys_ring[at % RING, 1:], keys)
+        assert int(keys_ring[at % RING, 0]) == staged_for
+    assert torch.equal(turn, torch.tensor([8, 3], device=DEVICE))
+    assert (keys_ring[:2] == -9).all()
+    with pytest.raises(ValueError, match="fetches"):
+        greedy.decode_start(ids, inputs[:lanes].view(lanes, 1), keys, emb, inv,
+                            fetch=(ring, turn, inputs))
+    with pytest.raises(ValueError, match="publish_keys"):
+        greedy.publish_keys(keys, keys_ring.view(-1), turn)

@@ -19,18 +19,22 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 PROMPT = tuple((i * 7 + 3) % 97 for i in range(29))
 
 
-def _factory(graphs: bool):
+def _factory(graphs: bool | str):
+    """graphs: True, False, or "zero-copy" (decode graphs staging through the host's ring,
+    `ninfer.model.graphs`)."""
     def make(num_blocks, block_size, num_slots):
         net = copy.deepcopy(tiny_net(torch.float32)).to("cuda")  # the cached one stays put
         model = TorchModel(net, num_blocks=num_blocks, block_size=block_size,
                            num_slots=num_slots, identity="tiny-cuda", device="cuda")
         if not graphs:
             model.graphs = model.verify_graphs = model.mtp_graphs = None
+        elif graphs == "zero-copy":
+            model.graphs.zero_copy = True
         return model
     return make
 
 
-@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("graphs", [True, False, "zero-copy"])
 @pytest.mark.parametrize("spec", ["none", "mtp"])
 def test_decode_on_cuda_equals_the_reference(spec, graphs):
     h = Harness(EngineConfig(spec=spec, prefill_chunk=8, max_concurrency=3, check_reuse=True),
@@ -44,6 +48,8 @@ def test_decode_on_cuda_equals_the_reference(spec, graphs):
     if graphs:
         model = h.engine.model
         assert model.graphs.graphs, "no decode step went through a graph"
+        assert all((cap.turn is not None) == (graphs == "zero-copy")
+                   for cap in model.graphs.graphs.values())
         if spec == "mtp":
             assert model.verify_graphs.graphs, "no verify went through a graph"
             assert model.mtp_graphs.graphs, "no MTP step went through a graph"
@@ -55,16 +61,20 @@ def test_decode_on_cuda_equals_the_reference(spec, graphs):
 
 
 
-def test_a_step_run_ahead_is_taken_only_when_asked_for_and_leaves_nothing_when_dropped():
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_a_step_run_ahead_is_taken_only_when_asked_for_and_leaves_nothing_when_dropped(
+        zero_copy):
     """Two models on the same weights, fed the same tokens one step at a time: one runs
     each next step ahead (`ahead=True`), the other does not. Where the next step is the
     greedy one the step run ahead is adopted; where it is not (another token, the lanes in
     another order, the engine writing a lane's slot) it is dropped. Logits and every state
     part agree throughout: a dropped step left nothing behind, an adopted one was the step
-    asked for."""
+    asked for. With zero-copy staging in the first, a replay the host did not launch
+    through DecodeGraphs puts it out of step: the next step raises, and touched no lane."""
     from ninfer.engine.model import Lane
     make = _factory(True)
     fast, plain = make(16, 16, 4), make(16, 16, 4)
+    fast.graphs.zero_copy = zero_copy
     lanes = {m: [Lane(slot=s, attn_blocks=[4 * s + j for j in range(4)]) for s in (1, 2)]
              for m in (fast, plain)}
     for m in (fast, plain):
@@ -94,6 +104,16 @@ def test_a_step_run_ahead_is_taken_only_when_asked_for_and_leaves_nothing_when_d
             is None
     assert (fast.graphs.adopted, fast.graphs.dropped) == (21, 18)  # counted from the loop
     assert plain.graphs.adopted == plain.graphs.dropped == 0
+    if not zero_copy:
+        return
+    fast.graphs.drop_ahead()
+    before = [fast.read_parts(lane, pos, 0) for lane in lanes[fast]]
+    fast.graphs.graphs[(2, 64)].graph.replay()  # not counted by the host
+    with pytest.raises(RuntimeError, match="out of step"):
+        fast.forward_batch([(lane, [t], pos) for lane, t in zip(lanes[fast], tokens,
+                                                                strict=True)])
+    for lane, parts in zip(lanes[fast], before, strict=True):
+        assert fast.parts_match(fast.read_parts(lane, pos, 0), parts) is None
 
 
 def test_verify_and_mtp_graphs_compute_the_eager_forwards():
