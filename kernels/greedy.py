@@ -128,8 +128,8 @@ def _decode_start_kernel(ids_ptr, pos_ptr, keys_ptr, emb_ptr, freq_ptr, h_ptr, c
             i = i0 + tl.arange(0, BN)
             v = tl.load(src + i, mask=i < end, other=0, cache_modifier=".cv")
             tl.store(inputs_ptr + i, v, mask=i < end)
-        if b == 0:
-            tl.store(turn_ptr + 1, seq)  # the row's turn, for publish_keys
+        if b == 0:  # for publish_keys: the turn, or -2 where the row was not staged for it
+            tl.store(turn_ptr + 1, tl.where(seq == turn, turn, -2))
 
 
 def decode_start(ids: Tensor, positions: Tensor, keys: Tensor, embedding: Tensor,
@@ -145,8 +145,9 @@ def decode_start(ids: Tensor, positions: Tensor, keys: Tensor, embedding: Tensor
     the host's ring, not from ids and positions (which must be views of inputs: ids its
     first B, positions its next B), and copied into inputs for the kernels after this one.
     The row read is turn[0] % RING where its first word (the turn the host staged it for)
-    is turn[0], else the last row (neutral: padding lanes only); turn[1] gets that first
-    word (`publish_keys` hands it back to the host and moves the turn on)."""
+    is turn[0], else the last row (neutral: padding lanes only); turn[1] gets turn[0], or
+    -2 where the neutral row was read (`publish_keys` hands it to the host, which checks it
+    is the launch it staged, and moves the turn on)."""
     B = ids.shape[0]
     V, D = embedding.shape
     R = inv_freq.shape[0]
@@ -195,9 +196,9 @@ def _publish_keys_kernel(keys_ptr, ring_ptr, turn_ptr, S, RING, BS: tl.constexpr
 
 def publish_keys(keys: Tensor, ring: Tensor, turn: Tensor) -> None:
     """The greedy keys [S] into the host's ring [RING, 1 + S] (int64, pinned; RING a power
-    of two) at row turn[0] % RING, after the turn of the inputs row decode_start read
-    (turn[1]: the host checks it is its own), and the turn moved on: a decode graph's last
-    kernel, where the host reads its tokens without a copy between replays."""
+    of two) at row turn[0] % RING, after turn[1] (decode_start's: the turn whose inputs it
+    read, or -2; the host checks it is its own launch), and the turn moved on: a decode
+    graph's last kernel, where the host reads its tokens without a copy between replays."""
     S = keys.shape[0]
     if keys.shape != (S,) or ring.dim() != 2 or ring.shape[1] != 1 + S or turn.shape != (2,) \
             or not _power_of_two(ring.shape[0]) \

@@ -19,7 +19,7 @@ their own between two replays. With it, the host stages each launch's inputs in 
 a pinned ring, the row's first word the launch's number; the graph's first kernel reads the
 row of the device's turn over the bus and copies it into the static buffer, and its last
 kernel (`kernels.greedy.publish_keys`) writes the keys into the host's ring, with the
-number of the row it read, and moves the turn on. Every replay of such a graph must be
+number of the launch whose row it read, and moves the turn on. Every replay of such a graph must be
 launched here (`_launch` counts them): a row staged for another launch is not used (the
 ring's neutral last row is: padding lanes only) and reading that step's tokens raises.
 
@@ -114,9 +114,9 @@ class _Step:
         self.done.synchronize()
         if self.echo is not None and int(self.echo[0][0]) != self.echo[1]:
             raise RuntimeError(
-                f"zero-copy staging out of step: launch {self.echo[1]} found its row staged "
-                f"for launch {int(self.echo[0][0])} and ran on padding lanes only (a replay "
-                "not launched by DecodeGraphs?)")
+                f"zero-copy staging out of step: launch {self.echo[1]} did not run on the "
+                "inputs staged for it (the graph's turn was not its; a replay not launched "
+                "by DecodeGraphs?): it ran on padding lanes only")
         return token_of(self.keys_host[:self.lanes]).tolist()
 
 

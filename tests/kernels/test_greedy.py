@@ -78,9 +78,9 @@ def test_decode_start_feeds_staged_tokens_or_the_keys_and_makes_the_rotary_angle
 def test_decode_start_fetches_its_turns_row_of_the_hosts_ring(lanes):
     """Zero-copy staging: the inputs come from the ring's row turn % RING (the other rows
     hold other turns' inputs), are copied whole into the device's buffer, and feed the step
-    as staged inputs do; publish_keys puts the keys in the same row with the turn of the
-    inputs used, and moves the turn on. A row staged for another turn is not used: the
-    neutral last row is, and the host is told."""
+    as staged inputs do; publish_keys puts the keys in the same row with the turn whose
+    inputs were used, and moves the turn on. A row staged for another turn is not used:
+    the neutral last row is, and the host is told (-2 where the turn would be)."""
     torch.manual_seed(3)
     V, D, R, RING, W = 50, 40, 16, 4, 70
     N = 4 * lanes + lanes * W
@@ -95,7 +95,7 @@ def test_decode_start_fetches_its_turns_row_of_the_hosts_ring(lanes):
     inputs = torch.full((N,), -7, dtype=torch.int64, device=DEVICE)
     ids, positions = inputs[:lanes].view(lanes, 1), inputs[lanes:2 * lanes].view(lanes, 1)
     turn = torch.tensor([6, 0], device=DEVICE)  # row 2
-    for row, staged_for in ((2, 6), (RING, 3)):  # turn 6's row; then turn 7's, staged as 3
+    for row, echo in ((2, 6), (RING, -2)):  # turn 6's row; then turn 7's, staged for 3
         keys = greedy.greedy_keys_reference(torch.randn(lanes, V, device=DEVICE))
         src = ring[row, 1:]
         want = greedy.decode_start_reference(src[:lanes, None], src[lanes:2 * lanes, None],
@@ -110,8 +110,8 @@ def test_decode_start_fetches_its_turns_row_of_the_hosts_ring(lanes):
         greedy.publish_keys(keys, keys_ring, turn)
         at = int(turn[0]) - 1
         assert torch.equal(keys_ring[at % RING, 1:], keys)
-        assert int(keys_ring[at % RING, 0]) == staged_for
-    assert torch.equal(turn, torch.tensor([8, 3], device=DEVICE))
+        assert int(keys_ring[at % RING, 0]) == echo
+    assert torch.equal(turn, torch.tensor([8, -2], device=DEVICE))
     assert (keys_ring[:2] == -9).all()
     with pytest.raises(ValueError, match="fetches"):
         greedy.decode_start(ids, inputs[:lanes].view(lanes, 1), keys, emb, inv,
