@@ -13,11 +13,11 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/ruff check ninfer tests
+	$(BIN)/ruff check ninfer tests kernels
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check ninfer tests
+	$(BIN)/ruff check ninfer tests kernels
 
 # Long fuzzing, not CI: MINUTES=N in all (default 10), half each to the Hypothesis state
 # machine and the deterministic simulation, both with random seeds.
