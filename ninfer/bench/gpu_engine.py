@@ -159,9 +159,9 @@ def main(json_path: str | None = None) -> int:
     lead = float(os.environ.get("NINFER_BENCH_L2", "16"))  # MiB; 0: no such rows
     variants = {"zero_copy": {"zero_copy": True}}
     if lead > 0:
-        l2 = {"l2_ahead": int(lead * 2 ** 20)}
-        variants |= {f"l2_{lead:g}mib": l2, f"l2_{lead:g}mib_zero_copy": {**l2, **variants[
-            "zero_copy"]}}
+        ahead = int(lead * 2 ** 20)
+        variants[f"l2_{lead:g}mib"] = {"l2_ahead": ahead}
+        variants[f"l2_{lead:g}mib_zero_copy"] = {"l2_ahead": ahead, "zero_copy": True}
     for name, settings in variants.items():
         steps.append((f"decode_b1_{name}", lambda settings=settings: _recaptured(
             b, warm(lambda: b.decode(1, tokens=DECODE_TOKENS)), **settings)))

@@ -116,5 +116,12 @@ def test_decode_start_fetches_its_turns_row_of_the_hosts_ring(lanes):
     with pytest.raises(ValueError, match="fetches"):
         greedy.decode_start(ids, inputs[:lanes].view(lanes, 1), keys, emb, inv,
                             fetch=(ring, turn, inputs))
+    with pytest.raises(ValueError, match="fetches"):  # ids not inputs' first B
+        greedy.decode_start(inputs[N - lanes:].view(lanes, 1), positions, keys, emb, inv,
+                            fetch=(ring, turn, inputs))
+    with pytest.raises(ValueError, match="fetches"):  # RING a power of two: 3 is not
+        greedy.decode_start(ids, positions, keys, emb, inv, fetch=(ring[1:], turn, inputs))
     with pytest.raises(ValueError, match="publish_keys"):
         greedy.publish_keys(keys, keys_ring.view(-1), turn)
+    with pytest.raises(ValueError, match="publish_keys"):
+        greedy.publish_keys(keys, keys_ring[1:], turn)
