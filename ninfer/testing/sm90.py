@@ -155,7 +155,7 @@ def _launches() -> None:
     with prefetch.using(plan):
         with plan.recording():
             skinny.linear(r(1, 1, inter), w, residual=x)
-        plan.progress = torch.zeros(1, dtype=torch.int32)
+        plan.progress = torch.zeros(2, dtype=torch.int32)
         plan._mode = "apply"
         skinny.linear(r(1, 1, inter), w, residual=x)
     prefetch.launch_prefetcher(torch.tensor(plan.pieces()).view(-1, 3), plan.progress, 1,

@@ -125,3 +125,33 @@ def test_decode_start_fetches_its_turns_row_of_the_hosts_ring(lanes):
         greedy.publish_keys(keys, keys_ring.view(-1), turn)
     with pytest.raises(ValueError, match="publish_keys"):
         greedy.publish_keys(keys, keys_ring[1:], turn)
+
+
+def test_the_kernels_after_a_fetching_decode_start_start_behind_a_barrier(monkeypatch):
+    """The kernels of a step read the staged inputs before their PDL wait (a GDN step its
+    slots, the attention its block table): with zero-copy staging decode_start writes
+    them, so it is followed by a kernel launched without PDL, which starts only once it
+    has finished. Without PDL (copies before the graph) no barrier is launched."""
+    launched = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.append((self.name, kw.get("launch_pdl", False)))
+
+    monkeypatch.setattr(greedy, "_decode_start_kernel", Recorder("start"))
+    monkeypatch.setattr(greedy, "_barrier_kernel", Recorder("barrier"))
+    monkeypatch.setattr(greedy.pdl, "launch", lambda x: {"PDL": True, "launch_pdl": True})
+    lanes, N = 2, 8 + 2 * 4
+    inputs = torch.zeros(N, dtype=torch.int64)
+    ring = torch.zeros(5, 1 + N, dtype=torch.int64)
+    args = (inputs[:lanes].view(lanes, 1), inputs[lanes:2 * lanes].view(lanes, 1),
+            torch.zeros(lanes, dtype=torch.int64), torch.randn(10, 8),
+            torch.ones(4, dtype=torch.float32))
+    greedy.decode_start(*args)
+    assert launched == [("start", True)]
+    launched.clear()
+    greedy.decode_start(*args, fetch=(ring, torch.zeros(2, dtype=torch.int64), inputs))
+    assert launched == [("start", True), ("barrier", False)]
