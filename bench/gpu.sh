@@ -4,7 +4,7 @@
 # /tmp/site (never the project's pins), then runs the kernel tests on real shapes and the
 # benchmarks, writing JSON results to $OUT (or bench/results/ when OUT is unset).
 #
-#   bench/gpu.sh [kernels] [engine] [baseline] [skinny] [gdn-sweep] [l2] [profile]
+#   bench/gpu.sh [kernels] [engine] [baseline] [skinny] [gdn-sweep] [profile]
 #                (default: the first three)
 #
 # Wheels to carry (pip download --no-deps on a machine with network): fla-core,
@@ -41,9 +41,6 @@ for stage in $stages; do
         ;;
     gdn-sweep)  # the GDN prefill under each launch configuration, against fla
         python3 -m ninfer.bench.gdn_sweep "$OUT/gdn-sweep-h200.json" || status=1
-        ;;
-    l2)  # the decode step with the L2 prefetcher beside it, by lead and prefetch size
-        python3 -m ninfer.bench.l2 "$OUT/l2-h200.json" || status=1
         ;;
     profile)  # kernel by kernel: the decode graphs (with and without PDL), the prefill
         python3 -m ninfer.bench.profile "$OUT/profile-h200.json" || status=1

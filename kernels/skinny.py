@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import pdl, prefetch
+from . import pdl
 from .fused import _rows
 from .greedy import KEY_NONE_C, key_of
 
@@ -191,8 +191,7 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
                    BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
                    DOT: tl.constexpr, IEEE: tl.constexpr, SINGLE: tl.constexpr,
                    CONV: tl.constexpr, KC: tl.constexpr, KP: tl.constexpr,
-                   ARGMAX: tl.constexpr, PDL: tl.constexpr, progress_ptr=None,
-                   PROGRESS: tl.constexpr = False):
+                   ARGMAX: tl.constexpr, PDL: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     pdl.launch_dependents(PDL)
     dt = y_ptr.dtype.element_ty
@@ -209,7 +208,6 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
             wu1 = tl.load(w_ptrs + N * s_w, mask=nm[:, None] & km1[None, :], other=0.0)
         nw1 = _norm_weights(nw_ptr, ks1, km1, PROLOGUE, HEAD)  # weights too: before the wait
     pdl.wait(PDL)  # from here on: reads of what earlier kernels wrote, and every write
-    prefetch.begun(progress_ptr, (pid_n == 0) & (pid_k == 0), PROGRESS)
     ym = rm[:, None] & nm[None, :]
     if RESIDUAL and SPLIT == 1:  # issued now, its round trip overlaps the GEMM's
         r = tl.load(r_ptr + rows[:, None] * s_r + ns[None, :], mask=ym, other=0.0)
@@ -351,7 +349,6 @@ def _launch(x: Tensor, w: Tensor, *, prologue: int = NONE, norm_weight: Tensor |
     if argmax is not None and (argmax.shape != (M,) or argmax.dtype != torch.int64):
         raise ValueError(f"the argmax epilogue folds greedy keys into an int64 [{M}], got "
                          f"{tuple(argmax.shape)} {argmax.dtype}")
-    progress, counts = prefetch.launch_args(w)
     _skinny_kernel[(grid_n, t.split)](
         x2, w, y, r2, norm_weight if norm_weight is not None else w, z2, xn, ws, cnt,
         pool, slots, dests, cw, argmax if argmax is not None else y,
@@ -365,8 +362,7 @@ def _launch(x: Tensor, w: Tensor, *, prologue: int = NONE, norm_weight: Tensor |
         SINGLE=t.split == 1 and t.bk >= K, CONV=conv is not None,
         KC=cw.shape[1] if conv is not None else 2,
         KP=triton.next_power_of_2(cw.shape[1]) if conv is not None else 2,
-        ARGMAX=argmax is not None, num_warps=t.warps, progress_ptr=progress,
-        PROGRESS=counts, **pdl.launch(x))
+        ARGMAX=argmax is not None, num_warps=t.warps, **pdl.launch(x))
     y = y.view(*x.shape[:-1], N)
     return (y, xn.view(x.shape)) if normed else y
 

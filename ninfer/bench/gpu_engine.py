@@ -10,9 +10,9 @@ transformers + fla on the same weights, each measured in the run that reports it
   time (a graph replay and its argmax), a verify of 4 positions and an MTP head step (graph
   replays too: `ninfer.model.spec_graphs`) against a plain step; decode at batch 1 again
   with the graphs not running the next step ahead (`ninfer.model.graphs`), the same-run
-  "before" of that; and decode at batch 1 with zero-copy staging (`ninfer.model.graphs`),
-  with the L2 prefetcher beside its graph (`kernels.prefetch`) at a lead of
-  NINFER_BENCH_L2 MiB (16; 0 leaves those rows out), and with both.
+  "before" of that; and decode at batch 1 without and with zero-copy staging
+  (`ninfer.model.graphs`), the graphs captured afresh for each, in turn three times (runs
+  drift by ~2% over a minute): the median of each and their ratio.
 - baseline: transformers' Qwen3NextForCausalLM on the same files, with fla's kernels when
   transformers binds them (reported), `generate` greedy at batch 1 and 8, and a 4K prefill.
 """
@@ -20,7 +20,6 @@ transformers + fla on the same weights, each measured in the run that reports it
 from __future__ import annotations
 
 import inspect
-import os
 import sys
 import time
 from pathlib import Path
@@ -103,8 +102,8 @@ def _without_ahead(bench, run):
 
 def _recaptured(bench, run, **settings):
     """run() with the decode graphs captured afresh under `settings` (DecodeGraphs'
-    attributes: l2_ahead, the L2 prefetcher's lead in bytes; zero_copy), then captured
-    again as they were (run: a warm one, its first call captures)."""
+    attributes, such as zero_copy), then captured again as they were (run: a warm one,
+    its first call captures)."""
     graphs = bench.om.model.graphs
     if graphs is None:
         return {"error": "no decode graphs"}
@@ -121,6 +120,18 @@ def _recaptured(bench, run, **settings):
         return run()
     finally:
         recapture(before)
+
+
+def _in_turn(variants: dict[str, dict], run, rounds: int = 3) -> dict:
+    """run(settings) for each variant in turn, `rounds` times: each variant's median tok/s
+    and every run's, and the ratio of each median to the first variant's."""
+    runs: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, settings in variants.items():
+            runs[name].append(run(settings)["tok_s"])
+    first = sorted(next(iter(runs.values())))[rounds // 2]
+    return {name: {"tok_s": sorted(v)[rounds // 2], "runs": v,
+                   "over_first": sorted(v)[rounds // 2] / first} for name, v in runs.items()}
 
 
 def _settled(run, key: str, n: int = 3) -> dict:
@@ -156,15 +167,10 @@ def main(json_path: str | None = None) -> int:
                       warm(lambda batch=batch: b.decode(batch, tokens=DECODE_TOKENS))))
     steps.append(("decode_b1_no_ahead", warm(lambda: _without_ahead(
         b, lambda: b.decode(1, tokens=DECODE_TOKENS)))))
-    lead = float(os.environ.get("NINFER_BENCH_L2", "16"))  # MiB; 0: no such rows
-    variants = {"zero_copy": {"zero_copy": True}}
-    if lead > 0:
-        ahead = int(lead * 2 ** 20)
-        variants[f"l2_{lead:g}mib"] = {"l2_ahead": ahead}
-        variants[f"l2_{lead:g}mib_zero_copy"] = {"l2_ahead": ahead, "zero_copy": True}
-    for name, settings in variants.items():
-        steps.append((f"decode_b1_{name}", lambda settings=settings: _recaptured(
-            b, warm(lambda: b.decode(1, tokens=DECODE_TOKENS)), **settings)))
+    steps.append(("zero_copy_b1", lambda: _in_turn(
+        {"copies": {"zero_copy": False}, "zero_copy": {"zero_copy": True}},
+        lambda settings: _recaptured(b, warm(lambda: b.decode(1, tokens=DECODE_TOKENS)),
+                                     **settings))))
     steps.append(("decode_b1_4k",
                   warm(lambda: b.decode(1, tokens=DECODE_TOKENS, context=4096))))
     for drafts in (None, "accept", "reject"):  # warm too: a verify graph per round length
@@ -183,10 +189,6 @@ def main(json_path: str | None = None) -> int:
         row = r[f"decode_b{batch}"]
         if "tok_s" in row:
             row["roofline_fraction"] = row["tok_s"] / (batch * r["roofline_tok_s_b1"])
-    for key, row in r.items():
-        if key.startswith(("decode_b1_l2", "decode_b1_zero_copy")) and "tok_s" in row:
-            row["roofline_fraction"] = row["tok_s"] / r["roofline_tok_s_b1"]
-            row["over_decode_b1"] = row["tok_s"] / r["decode_b1"].get("tok_s", float("nan"))
     if "tok_s" in r["decode_b1"] and "tok_s" in r["decode_b1_no_ahead"]:
         r["ahead_speedup_b1"] = r["decode_b1"]["tok_s"] / r["decode_b1_no_ahead"]["tok_s"]
     _write("engine", r, json_path)

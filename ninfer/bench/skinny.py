@@ -218,6 +218,7 @@ def bench_model(tuned: dict) -> dict:
         skinny.TUNED.clear()
         skinny.TUNED.update(table)
         m.graphs = DecodeGraphs(m)  # captured afresh under this setting
+        m.graphs.zero_copy = False  # replayed here, not staged by DecodeGraphs
         for B in (1, 8):
             lanes = [Lane(slot=i, attn_blocks=list(range(i * 64, i * 64 + 64)))
                      for i in range(B)]

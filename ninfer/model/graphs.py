@@ -13,15 +13,18 @@ logits and last hidden states come back in static outputs, copied out before the
 replay. The LM head folds each lane's greedy token into a key (`kernels.greedy`) inside
 the graph, so no argmax runs between replays.
 
-Zero-copy staging (NINFER_ZERO_COPY=1; off by default, not yet timed on a GPU). The copy
-of the inputs before a replay and of the greedy keys after it are stream operations of
-their own between two replays. With it, the host stages each launch's inputs in a row of
+Zero-copy staging (on by default; NINFER_ZERO_COPY=0 turns it off). The copy of the
+inputs before a replay and of the greedy keys after it would be stream operations of their
+own between two replays (batch-1 decode through the engine was 0.85% slower with them on
+the H100, three runs each in turn). Instead the host stages each launch's inputs in a row of
 a pinned ring, the row's first word the launch's number; the graph's first kernel reads the
 row of the device's turn over the bus and copies it into the static buffer, and its last
 kernel (`kernels.greedy.publish_keys`) writes the keys into the host's ring, with the
 number of the launch whose row it read, and moves the turn on. Every replay of such a graph must be
 launched here (`_launch` counts them): a row staged for another launch is not used (the
-ring's neutral last row is: padding lanes only) and reading that step's tokens raises.
+ring's neutral last row is: padding lanes only) and reading that step's tokens raises. (A
+benchmark that replays the graph itself turns it off.) The kernels of the step read the
+staged inputs before their PDL wait, so the first kernel is followed by a barrier.
 
 Running ahead. Between two decode steps the host has work of its own (reading the greedy
 tokens, the engine's bookkeeping, the journal): with one replay at a time the GPU idles
@@ -51,7 +54,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from kernels import device_kernels, prefetch
+from kernels import device_kernels
 from kernels.greedy import KEY_NONE, publish_keys, token_of
 
 from .gdn import SlotGDNState
@@ -90,7 +93,6 @@ class _Captured:
     logits: Tensor        # [S, 1, V]
     hidden: Tensor        # [S, 1, D]
     keys: Tensor          # [S] int64: the greedy keys (shared by the graphs of S lanes)
-    plan: prefetch.L2Plan | None  # the L2 prefetcher's, where one runs beside the step
     turn: Tensor | None   # zero-copy staging's device turn (None: copies between replays)
     # pinned host twins of the inputs and of the greedy tokens, with the step that used
     # them last (its event: the buffer is free again once it has completed)
@@ -149,9 +151,8 @@ class DecodeGraphs:
         self.ahead: _Ahead | None = None
         self.run_ahead = os.environ.get("NINFER_AHEAD", "1") != "0"  # the benchmark's "before"
         self.adopted = self.dropped = 0   # steps run ahead, by fate (for tests and benches)
-        self.l2_ahead = prefetch.ahead_bytes()  # the L2 prefetcher's lead (0: none)
-        # zero-copy staging (NINFER_ZERO_COPY=1): see the module docstring
-        self.zero_copy = os.environ.get("NINFER_ZERO_COPY", "0") == "1"
+        # zero-copy staging (NINFER_ZERO_COPY=0: copies): see the module docstring
+        self.zero_copy = os.environ.get("NINFER_ZERO_COPY", "1") != "0"
 
     @staticmethod
     def fits(lanes) -> bool:
@@ -290,7 +291,7 @@ class DecodeGraphs:
             turn = torch.zeros(2, dtype=torch.long, device=m.device)
         fetch = {"fetch": (ring, turn, inputs)} if ring is not None else {}
 
-        def step():
+        def forward():
             h, cos, sin = start(ids, positions, keys, net.model.embed_tokens.weight, inv_freq,
                                 **fetch)
             kv = PagedKV(m.kv_k, m.kv_v, m.block_size, tables)
@@ -300,24 +301,9 @@ class DecodeGraphs:
                 publish_keys(keys, keys_ring, turn)
             return out
 
-        plan = prefetch.L2Plan(self.l2_ahead) if self.l2_ahead > 0 else None
-        recorded = False
-
-        def forward():
-            nonlocal recorded
-            if plan is None:
-                return step()
-            with prefetch.using(plan):
-                if not recorded:
-                    recorded = True
-                    with plan.recording():
-                        return step()
-                with plan.applying(m.device):
-                    return step()
-
         # (the warm-up resets the keys: a step fed from them never captures, in _launch)
         graph, out = warm_and_capture(forward, self.pool)
-        cap = _Captured(graph, S, W, inputs, out.logits, out.hidden, keys, plan, turn)
+        cap = _Captured(graph, S, W, inputs, out.logits, out.hidden, keys, turn)
         for i in range(RING):
             cap.staging.append((ring[i], keys_ring[i]) if ring is not None else
                                (torch.zeros_like(inputs, device="cpu").pin_memory(),

@@ -95,7 +95,7 @@ class _Compiling:
 
 _MODULES = tuple(f"kernels.{name}" for name in (
     "conv1d", "decode_attention", "fused", "gdn_chunk", "gdn_decode", "greedy", "kv_write",
-    "paged_attention", "prefetch", "skinny"))
+    "paged_attention", "skinny"))
 
 
 def _patch(seen: dict) -> None:
@@ -128,7 +128,6 @@ def _launches() -> None:
         greedy,
         kv_write,
         paged_attention,
-        prefetch,
         skinny,
     )
     bf, H, inter, V = torch.bfloat16, 1024, 3072, 4096
@@ -150,16 +149,6 @@ def _launches() -> None:
                        conv=(pool, slots, r(conv_dim, 4)))
     skinny.norm_linear(x, nw, 1e-6, r(V, H), normed=True,
                        argmax=torch.zeros(1, dtype=torch.int64))
-    # a decode graph's GEMM counting itself for the L2 prefetcher beside the step
-    w, plan = r(H, inter), prefetch.L2Plan(1 << 20)
-    with prefetch.using(plan):
-        with plan.recording():
-            skinny.linear(r(1, 1, inter), w, residual=x)
-        plan.progress = torch.zeros(2, dtype=torch.int32)
-        plan._mode = "apply"
-        skinny.linear(r(1, 1, inter), w, residual=x)
-    prefetch.launch_prefetcher(torch.tensor(plan.pieces()).view(-1, 3), plan.progress, 1,
-                               prefetch.CHUNK)
     # elementwise
     fused.rms_norm(r(2, 8, H), nw, 1e-6, residual=r(2, 8, H))
     fused.gated_rms_norm(r(8, Hv, D), r(8, Hv, D), r(D), 1e-6)

@@ -28,8 +28,8 @@ def _factory(graphs: bool | str):
                            num_slots=num_slots, identity="tiny-cuda", device="cuda")
         if not graphs:
             model.graphs = model.verify_graphs = model.mtp_graphs = None
-        elif graphs == "zero-copy":
-            model.graphs.zero_copy = True
+        else:  # (zero-copy is the default)
+            model.graphs.zero_copy = graphs == "zero-copy"
         return model
     return make
 
@@ -227,38 +227,3 @@ def test_a_bf16_prefill_chunk_attends_as_the_float32_path():
     ref = attn._attend(x.float(), q.float(), positions, store.to(torch.float32), 0)
     assert out.dtype == torch.bfloat16
     assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 2e-2
-
-
-def test_decode_graphs_with_the_l2_prefetcher_compute_what_they_compute_without(monkeypatch):
-    """The prefetcher beside a decode graph (`kernels.prefetch`) changes no value, finishes
-    with the step (the counter back at zero: the next replay starts from it), and is
-    captured only where the graph has GEMMs that count (a batch of 8 has none: its
-    prefetcher would wait for them to the end of its patience)."""
-    from ninfer.engine.model import Lane
-    make = _factory(True)
-    plain = make(16, 16, 4)
-    monkeypatch.setenv("NINFER_L2_AHEAD", "0.01")   # ~10 KB: a few GEMMs at a time
-    fetched = make(16, 16, 4)
-    monkeypatch.delenv("NINFER_L2_AHEAD")
-    assert fetched.graphs.l2_ahead > 0 and plain.graphs.l2_ahead == 0
-    for m in (plain, fetched):
-        for s in (1, 2):
-            m.init_slot(Lane(slot=s, attn_blocks=[4 * s + j for j in range(4)]))
-    for B in (1, 2):
-        lanes = {m: [Lane(slot=s, attn_blocks=[4 * s + j for j in range(4)])
-                     for s in (1, 2)[:B]] for m in (plain, fetched)}
-        tokens = [3, 5][:B]
-        for pos in range(6):
-            outs = {m: m.forward_batch([(lane, [t], pos) for lane, t in
-                                        zip(lanes[m], tokens, strict=True)])
-                    for m in (plain, fetched)}
-            for a, b in zip(outs[plain], outs[fetched], strict=True):
-                assert torch.equal(a.logits, b.logits) and a.greedy == b.greedy
-            for m in (plain, fetched):
-                for lane, out in zip(lanes[m], outs[m], strict=True):
-                    m.accept(lane, out.states[0])
-            tokens = [o.greedy[0] for o in outs[plain]]
-    caps = fetched.graphs.graphs
-    assert caps[(1, 64)].plan is not None and caps[(1, 64)].plan.table.shape[0] > 1
-    assert caps[(1, 64)].plan.progress.tolist() == [0, 0]
-    assert caps[(2, 64)].plan is None or not caps[(2, 64)].plan.calls
