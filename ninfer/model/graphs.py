@@ -226,7 +226,7 @@ class DecodeGraphs:
             if tokens is None:  # a capture would reset the keys that feed this step
                 raise RuntimeError("a step fed from the greedy keys replays its step's graph")
             cap = self._capture(S, W)
-        seq, cap.launches = cap.launches, cap.launches + 1
+        seq = cap.launches  # counted once launched: staging that fails launches nothing
         i = seq % RING
         if cap.used_by[i] is not None:  # its last copies may still be in flight
             cap.used_by[i].synchronize()
@@ -249,6 +249,7 @@ class DecodeGraphs:
             tables[b, :len(lane.attn_blocks)] = lane.attn_blocks
         if cap.turn is None:  # (zero-copy: the graph reads them there, writes the keys)
             cap.inputs.copy_(staged, non_blocking=True)
+        cap.launches += 1  # (zero-copy: the device's turn moves on with this replay)
         cap.graph.replay()
         logits = cap.logits[:B, 0].clone() if outputs else None
         hidden = cap.hidden[:B, 0].clone() if outputs else None

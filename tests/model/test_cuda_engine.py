@@ -69,8 +69,10 @@ def test_a_step_run_ahead_is_taken_only_when_asked_for_and_leaves_nothing_when_d
     greedy one the step run ahead is adopted; where it is not (another token, the lanes in
     another order, the engine writing a lane's slot) it is dropped. Logits and every state
     part agree throughout: a dropped step left nothing behind, an adopted one was the step
-    asked for. With zero-copy staging in the first, a replay the host did not launch
-    through DecodeGraphs puts it out of step: the next step raises, and touched no lane."""
+    asked for. With zero-copy staging in the first, staging that fails part way launches
+    nothing and leaves the graph's turn the host's (the next step runs), and a replay the
+    host did not launch through DecodeGraphs puts it out of step: the next step raises, and
+    touched no lane."""
     from ninfer.engine.model import Lane
     make = _factory(True)
     fast, plain = make(16, 16, 4), make(16, 16, 4)
@@ -107,6 +109,19 @@ def test_a_step_run_ahead_is_taken_only_when_asked_for_and_leaves_nothing_when_d
     if not zero_copy:
         return
     fast.graphs.drop_ahead()
+    items = {m: [(lane, [t], pos) for lane, t in zip(lanes[m], tokens, strict=True)]
+             for m in (fast, plain)}
+    scratch, fast.scratch_block = fast.scratch_block, None  # staging fails part way
+    with pytest.raises(TypeError):
+        fast.forward_batch(items[fast])
+    fast.scratch_block = scratch
+    outs = {m: m.forward_batch(items[m]) for m in (fast, plain)}
+    for a, b in zip(outs[fast], outs[plain], strict=True):
+        torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=1e-4)
+    for m in (fast, plain):
+        for lane, out in zip(lanes[m], outs[m], strict=True):
+            m.accept(lane, out.states[0])
+    tokens, pos = [o.greedy[0] for o in outs[plain]], pos + 1
     before = [fast.read_parts(lane, pos, 0) for lane in lanes[fast]]
     fast.graphs.graphs[(2, 64)].graph.replay()  # not counted by the host
     with pytest.raises(RuntimeError, match="out of step"):
