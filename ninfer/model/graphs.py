@@ -22,7 +22,8 @@ row of the device's turn over the bus and copies it into the static buffer, and 
 kernel (`kernels.greedy.publish_keys`) writes the keys into the host's ring, with the
 number of the launch whose row it read, and moves the turn on. Every replay of such a graph must be
 launched here (`_launch` counts them): a row staged for another launch is not used (the
-ring's neutral last row is: padding lanes only) and reading that step's tokens raises. (A
+ring's neutral last row is: padding lanes only) and reading that step's tokens raises
+(`OutOfStep`; the turn is then set back to the host's, so the next step runs). (A
 benchmark that replays the graph itself turns it off.) The kernels of the step read the
 staged inputs before their PDL wait, so the first kernel is followed by a barrier.
 
@@ -101,6 +102,10 @@ class _Captured:
     launches: int = 0     # replays launched (zero-copy: the device's turn is the next's)
 
 
+class OutOfStep(RuntimeError):
+    """A zero-copy replay ran on the ring's neutral row, not on the launch staged for it."""
+
+
 @dataclass
 class _Step:
     """One launched replay's outputs (copies, in launch order on the stream)."""
@@ -110,12 +115,13 @@ class _Step:
     keys_host: Tensor     # pinned copy of the greedy keys (valid once `done` has completed)
     done: torch.cuda.Event
     lanes: int
-    echo: tuple[Tensor, int] | None = None  # zero-copy: (the keys' row, the launch's turn)
+    # zero-copy: (the keys' row, the launch's turn, its graph)
+    echo: tuple[Tensor, int, _Captured] | None = None
 
     def greedy(self) -> list[int]:
         self.done.synchronize()
         if self.echo is not None and int(self.echo[0][0]) != self.echo[1]:
-            raise RuntimeError(
+            raise OutOfStep(
                 f"zero-copy staging out of step: launch {self.echo[1]} did not run on the "
                 "inputs staged for it (the graph's turn was not its; a replay not launched "
                 "by DecodeGraphs?): it ran on padding lanes only")
@@ -177,7 +183,13 @@ class DecodeGraphs:
             step = self._launch(lanes, starts, tokens, None, outputs)
         if ahead and self.run_ahead:
             self._run_ahead(step, lanes, starts, outputs)
-        return step.logits, step.hidden, step.greedy()
+        try:
+            return step.logits, step.hidden, step.greedy()
+        except OutOfStep:  # this step fails; the next runs: the turn is the host's again
+            self.drop_ahead()  # (fed from this step's keys)
+            cap = step.echo[2]
+            cap.turn[0].fill_(cap.launches)  # after every replay launched, in stream order
+            raise
 
     def drop_ahead(self, slot: int | None = None) -> None:
         """Forget the step run ahead (if it reads `slot`, when one is given)."""
@@ -257,7 +269,7 @@ class DecodeGraphs:
         if cap.turn is None:
             keys_host[:B].copy_(cap.keys[:B], non_blocking=True)
         else:  # the graph wrote them, after the launch its inputs were staged for
-            echo, keys_host = (keys_host, seq), keys_host[1:]
+            echo, keys_host = (keys_host, seq, cap), keys_host[1:]
         done = torch.cuda.Event()
         done.record()
         cap.used_by[i] = done

@@ -71,8 +71,8 @@ def test_a_step_run_ahead_is_taken_only_when_asked_for_and_leaves_nothing_when_d
     part agree throughout: a dropped step left nothing behind, an adopted one was the step
     asked for. With zero-copy staging in the first, staging that fails part way launches
     nothing and leaves the graph's turn the host's (the next step runs), and a replay the
-    host did not launch through DecodeGraphs puts it out of step: the next step raises, and
-    touched no lane."""
+    host did not launch through DecodeGraphs puts it out of step: the next step raises,
+    touched no lane, and the step after it runs."""
     from ninfer.engine.model import Lane
     make = _factory(True)
     fast, plain = make(16, 16, 4), make(16, 16, 4)
@@ -129,6 +129,12 @@ def test_a_step_run_ahead_is_taken_only_when_asked_for_and_leaves_nothing_when_d
                                                                 strict=True)])
     for lane, parts in zip(lanes[fast], before, strict=True):
         assert fast.parts_match(fast.read_parts(lane, pos, 0), parts) is None
+    items = {m: [(lane, [t], pos) for lane, t in zip(lanes[m], tokens, strict=True)]
+             for m in (fast, plain)}
+    outs = {m: m.forward_batch(items[m], ahead=m is fast) for m in (fast, plain)}
+    for a, b in zip(outs[fast], outs[plain], strict=True):
+        torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=1e-4)
+        assert a.greedy == b.greedy
 
 
 def test_verify_and_mtp_graphs_compute_the_eager_forwards():
