@@ -4,6 +4,8 @@
 import os
 import tempfile
 
+import pytest
+
 # the embedded default model is generated into NINFER_HOME: keep tests out of ~/.cache
 os.environ.setdefault("NINFER_HOME", os.path.join(tempfile.gettempdir(), "ninfer-test-home"))
 # Triton kernels run on the CPU only in its interpreter, chosen when a kernel is decorated:
@@ -24,9 +26,6 @@ settings.register_profile(
     "fuzz", max_examples=100_000, deadline=None, derandomize=False,
     suppress_health_check=list(HealthCheck))
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
-
-
-import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -108,14 +108,16 @@ def test_a_step_run_ahead_is_taken_only_when_asked_for_and_leaves_nothing_when_d
     assert plain.graphs.adopted == plain.graphs.dropped == 0
     if not zero_copy:
         return
+
+    def items(m):  # each lane's token of `tokens` at `pos`, as they stand when called
+        return [(lane, [t], pos) for lane, t in zip(lanes[m], tokens, strict=True)]
+
     fast.graphs.drop_ahead()
-    items = {m: [(lane, [t], pos) for lane, t in zip(lanes[m], tokens, strict=True)]
-             for m in (fast, plain)}
     scratch, fast.scratch_block = fast.scratch_block, None  # staging fails part way
     with pytest.raises(TypeError):
-        fast.forward_batch(items[fast])
+        fast.forward_batch(items(fast))
     fast.scratch_block = scratch
-    outs = {m: m.forward_batch(items[m]) for m in (fast, plain)}
+    outs = {m: m.forward_batch(items(m)) for m in (fast, plain)}
     for a, b in zip(outs[fast], outs[plain], strict=True):
         torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=1e-4)
     for m in (fast, plain):
@@ -125,13 +127,10 @@ def test_a_step_run_ahead_is_taken_only_when_asked_for_and_leaves_nothing_when_d
     before = [fast.read_parts(lane, pos, 0) for lane in lanes[fast]]
     fast.graphs.graphs[(2, 64)].graph.replay()  # not counted by the host
     with pytest.raises(RuntimeError, match="out of step"):
-        fast.forward_batch([(lane, [t], pos) for lane, t in zip(lanes[fast], tokens,
-                                                                strict=True)])
+        fast.forward_batch(items(fast))
     for lane, parts in zip(lanes[fast], before, strict=True):
         assert fast.parts_match(fast.read_parts(lane, pos, 0), parts) is None
-    items = {m: [(lane, [t], pos) for lane, t in zip(lanes[m], tokens, strict=True)]
-             for m in (fast, plain)}
-    outs = {m: m.forward_batch(items[m], ahead=m is fast) for m in (fast, plain)}
+    outs = {m: m.forward_batch(items(m), ahead=m is fast) for m in (fast, plain)}
     for a, b in zip(outs[fast], outs[plain], strict=True):
         torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=1e-4)
         assert a.greedy == b.greedy
