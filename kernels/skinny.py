@@ -45,6 +45,10 @@ from .greedy import KEY_NONE_C, key_of
 
 NONE, RMS, GATED, SIGMOID = 0, 1, 2, 3
 MAX_ROWS = 8
+# The conv epilogue reads the lanes' tails before the PDL wait: a decode step's slot pool,
+# written only by earlier forwards or the host (`kernels.pdl`'s exception, as the GDN step's
+# `early_state`). False: after the wait, the benchmark's "before" (`ninfer.bench.gpu_engine`).
+EARLY_CONV = True
 
 
 class Tiles(NamedTuple):
@@ -147,12 +151,12 @@ def _accumulate(acc, xv, wv, DOT: tl.constexpr, IEEE: tl.constexpr):
 @triton.jit
 def _conv_tails(conv_ptr, slot_ptr, dest_ptr, cw_ptr, rows, rm, ns, nm, C, s_cn, s_cc, s_cwc,
                 s_cwk, KC: tl.constexpr, KP: tl.constexpr):
-    """For the conv epilogue, loaded as soon as the kernel may read what others wrote (so
-    their round trip overlaps the GEMM): the tails of the lanes' slots (pool [slots, C,
-    KC-1], lane r at slot slot_ptr[r], negative: a padding lane, zeros) as [BM, BN, KP]
-    entries 0 .. KC-2 and again shifted by one, the conv weights [1, BN, KP], where the
-    tails are live, and where the shifted tails go (slot dest_ptr[r]: the same slot, or
-    another that leaves the input tail intact)."""
+    """For the conv epilogue, loaded before the PDL wait (`EARLY_CONV`), so that their two
+    dependent round trips (the slot, then its tail) overlap the kernel before: the tails
+    of the lanes' slots (pool [slots, C, KC-1], lane r at slot slot_ptr[r], negative: a
+    padding lane, zeros) as [BM, BN, KP] entries 0 .. KC-2 and again shifted by one, the
+    conv weights [1, BN, KP], where the tails are live, and where the shifted tails go
+    (slot dest_ptr[r]: the same slot, or another that leaves the input tail intact)."""
     j = tl.arange(0, KP)[None, None, :]  # [1, 1, KP]
     slot = tl.load(slot_ptr + rows, mask=rm, other=-1).to(tl.int64)
     live = (rm[:, None] & (nm & (ns < C))[None, :] & (slot >= 0)[:, None])[:, :, None]
@@ -191,7 +195,7 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
                    BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
                    DOT: tl.constexpr, IEEE: tl.constexpr, SINGLE: tl.constexpr,
                    CONV: tl.constexpr, KC: tl.constexpr, KP: tl.constexpr,
-                   ARGMAX: tl.constexpr, PDL: tl.constexpr):
+                   ARGMAX: tl.constexpr, EARLY_CONV: tl.constexpr, PDL: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     pdl.launch_dependents(PDL)
     dt = y_ptr.dtype.element_ty
@@ -207,11 +211,14 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
         if GLU:  # the up row n sits N rows below the gate row n
             wu1 = tl.load(w_ptrs + N * s_w, mask=nm[:, None] & km1[None, :], other=0.0)
         nw1 = _norm_weights(nw_ptr, ks1, km1, PROLOGUE, HEAD)  # weights too: before the wait
+    if CONV and EARLY_CONV:  # a decode step's slot pool: written only by earlier forwards
+        old, after, wc, live, out = _conv_tails(conv_ptr, slot_ptr, dest_ptr, cw_ptr, rows, rm,
+                                                ns, nm, C, s_cn, s_cc, s_cwc, s_cwk, KC, KP)
     pdl.wait(PDL)  # from here on: reads of what earlier kernels wrote, and every write
     ym = rm[:, None] & nm[None, :]
     if RESIDUAL and SPLIT == 1:  # issued now, its round trip overlaps the GEMM's
         r = tl.load(r_ptr + rows[:, None] * s_r + ns[None, :], mask=ym, other=0.0)
-    if CONV:
+    if CONV and not EARLY_CONV:
         old, after, wc, live, out = _conv_tails(conv_ptr, slot_ptr, dest_ptr, cw_ptr, rows, rm,
                                                 ns, nm, C, s_cn, s_cc, s_cwc, s_cwk, KC, KP)
     per = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK  # this program's share of K
@@ -362,7 +369,7 @@ def _launch(x: Tensor, w: Tensor, *, prologue: int = NONE, norm_weight: Tensor |
         SINGLE=t.split == 1 and t.bk >= K, CONV=conv is not None,
         KC=cw.shape[1] if conv is not None else 2,
         KP=triton.next_power_of_2(cw.shape[1]) if conv is not None else 2,
-        ARGMAX=argmax is not None, num_warps=t.warps, **pdl.launch(x))
+        ARGMAX=argmax is not None, EARLY_CONV=EARLY_CONV, num_warps=t.warps, **pdl.launch(x))
     y = y.view(*x.shape[:-1], N)
     return (y, xn.view(x.shape)) if normed else y
 
@@ -401,6 +408,8 @@ def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, w: Tensor, *, glu: b
     continuing from the tail in pool[slots[r]] ([slots, C, K-1]), which is updated in place
     (a negative slot: zeros, not written), as `kernels.conv1d.causal_conv1d_update`;
     `conv=(pool, slots, weight, dests)` writes the new tails to pool[dests[r]] instead.
+    The pool and the slots are read before the PDL wait (`EARLY_CONV`): nothing launched
+    in the same forward may write them (a decode step's slot pool).
     `argmax`: int64 [rows], each row's greedy key over y (`kernels.greedy`) folded in by
     atomic max (reset it to KEY_NONE first; the LM head's greedy token on the device)."""
     return _launch(x, w, prologue=RMS, norm_weight=norm_weight, eps=eps, offset=offset,

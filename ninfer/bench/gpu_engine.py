@@ -122,6 +122,18 @@ def _recaptured(bench, run, **settings):
         recapture(before)
 
 
+def _early_conv(bench, run, early: bool):
+    """run() with the in-projections' conv tails read before or after their PDL wait
+    (`kernels.skinny.EARLY_CONV`), the decode graphs captured afresh for it."""
+    from kernels import skinny
+    before = skinny.EARLY_CONV
+    skinny.EARLY_CONV = early
+    try:
+        return _recaptured(bench, run)
+    finally:
+        skinny.EARLY_CONV = before
+
+
 def _in_turn(variants: dict[str, dict], run, rounds: int = 3) -> dict:
     """run(settings) for each variant in turn, `rounds` times: each variant's median tok/s
     and every run's, and the ratio of each median to the first variant's."""
@@ -170,6 +182,10 @@ def main(json_path: str | None = None) -> int:
     steps.append(("zero_copy_b1", lambda: _in_turn(
         {"copies": {"zero_copy": False}, "zero_copy": {"zero_copy": True}},
         lambda settings: _recaptured(b, warm(lambda: b.decode(1, tokens=DECODE_TOKENS)),
+                                     **settings))))
+    steps.append(("early_conv_b1", lambda: _in_turn(
+        {"after_wait": {"early": False}, "before_wait": {"early": True}},
+        lambda settings: _early_conv(b, warm(lambda: b.decode(1, tokens=DECODE_TOKENS)),
                                      **settings))))
     steps.append(("decode_b1_4k",
                   warm(lambda: b.decode(1, tokens=DECODE_TOKENS, context=4096))))

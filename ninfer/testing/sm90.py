@@ -73,10 +73,11 @@ def _resources(compiled) -> str:
 
 
 class _Compiling:
-    """Stands in for a JIT kernel's `kernel[grid]`: compiles the launch for sm_90."""
+    """Stands in for a JIT kernel's `kernel[grid]`: compiles the launch for sm_90 (and
+    appends (kernel, PTX) to `ptx` where given)."""
 
-    def __init__(self, fn, seen: dict) -> None:
-        self.fn, self.seen = fn, seen
+    def __init__(self, fn, seen: dict, ptx: list | None = None) -> None:
+        self.fn, self.seen, self.ptx = fn, seen, ptx
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
@@ -90,6 +91,8 @@ class _Compiling:
                 options={"num_warps": kwargs.get("num_warps", 4),
                          "num_stages": kwargs.get("num_stages", 3)})
             self.seen.setdefault(self.fn.__name__, set()).add(_resources(compiled))
+            if self.ptx is not None:
+                self.ptx.append((self.fn.__name__, compiled.asm["ptx"]))
         return launch
 
 
@@ -98,7 +101,7 @@ _MODULES = tuple(f"kernels.{name}" for name in (
     "paged_attention", "skinny"))
 
 
-def _patch(seen: dict) -> None:
+def _patch(seen: dict, ptx: list | None = None) -> None:
     """Every module-level Triton kernel of `kernels` compiles instead of running; launches
     take PDL; the skinny GEMMs pick their GPU tiles."""
     import importlib
@@ -109,7 +112,7 @@ def _patch(seen: dict) -> None:
     for module in map(importlib.import_module, _MODULES):
         for name, value in list(vars(module).items()):
             if isinstance(value, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
-                setattr(module, name, _Compiling(value, seen))
+                setattr(module, name, _Compiling(value, seen, ptx))
     pdl.launch = lambda x: {"PDL": True}
     gpu = torch.device("cuda")
     tiles = skinny.tiles_for
@@ -229,6 +232,29 @@ def compile_all() -> tuple[dict[str, set[str]], list[str]]:
     except Exception:
         return seen, [traceback.format_exc()]
     return seen, []
+
+
+def loads_before_wait(ptx: str) -> int:
+    """Global loads a kernel's PTX issues before its PDL wait (all of them without one)."""
+    return ptx.split("griddepcontrol.wait")[0].count("ld.global")
+
+
+def in_projection_early_loads() -> dict[str, int]:
+    """A GDN in-projection of one row, with and without the conv epilogue, compiled for
+    sm_90: the global loads each issues before its PDL wait. The conv's (the lane's slot,
+    its tail, the conv weights) belong there: they overlap the kernel before."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("run without TRITON_INTERPRET: the kernels must be compiled ones")
+    ptx: list = []
+    _patch({}, ptx)
+    from kernels import skinny
+    H, conv_dim, n = 1024, 4096, 6176
+    x, nw, w = (torch.randn(*s).to(torch.bfloat16) for s in ((1, 1, H), (H,), (n, H)))
+    pool, cw = torch.randn(4, conv_dim, 3).to(torch.bfloat16), torch.randn(conv_dim, 4)
+    skinny.norm_linear(x, nw, 1e-6, w)
+    skinny.norm_linear(x, nw, 1e-6, w, conv=(pool, torch.tensor([1]), cw.to(torch.bfloat16)))
+    (_, plain), (_, conv) = ptx
+    return {"plain": loads_before_wait(plain), "conv": loads_before_wait(conv)}
 
 
 def main() -> int:

@@ -35,3 +35,20 @@ def test_every_kernel_compiles_for_sm90_and_the_decode_kernels_do_not_spill():
     for kernel in NO_SPILL:
         stacks = [int(s) for s in re.findall(r"stack (\d+)", rows[kernel])]
         assert stacks and max(stacks) == 0, f"{kernel} spills: {rows[kernel]}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="with a GPU the kernel tests compile and run every kernel")
+def test_the_in_projection_loads_its_conv_tails_before_its_pdl_wait():
+    """The conv epilogue's reads of the slot pool (the slot, the tail, the weights) are
+    issued before the wait, so their dependent round trips overlap the kernel before
+    (`kernels.skinny.EARLY_CONV`): the in-projection with the conv issues more loads there
+    than without it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", "from ninfer.testing.sm90 import in_projection_early_loads as f;"
+         " print(f())"], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    counts = eval(run.stdout.strip().splitlines()[-1])  # a dict literal of two ints
+    assert counts["plain"] > 0, counts  # the weights: loaded before the wait as ever
+    assert counts["conv"] > counts["plain"], counts
