@@ -242,7 +242,8 @@ def loads_before_wait(ptx: str) -> int:
 def in_projection_early_loads() -> dict[str, int]:
     """A GDN in-projection of one row, with and without the conv epilogue, compiled for
     sm_90: the global loads each issues before its PDL wait. The conv's (the lane's slot,
-    its tail, the conv weights) belong there: they overlap the kernel before."""
+    its tail, the conv weights) belong there: they overlap the kernel before. Patches the
+    kernel modules as `compile_all` does: call it in a process of its own."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("run without TRITON_INTERPRET: the kernels must be compiled ones")
     ptx: list = []
@@ -250,9 +251,9 @@ def in_projection_early_loads() -> dict[str, int]:
     from kernels import skinny
     H, conv_dim, n = 1024, 4096, 6176
     x, nw, w = (torch.randn(*s).to(torch.bfloat16) for s in ((1, 1, H), (H,), (n, H)))
-    pool, cw = torch.randn(4, conv_dim, 3).to(torch.bfloat16), torch.randn(conv_dim, 4)
+    pool, cw = (torch.randn(*s).to(torch.bfloat16) for s in ((4, conv_dim, 3), (conv_dim, 4)))
     skinny.norm_linear(x, nw, 1e-6, w)
-    skinny.norm_linear(x, nw, 1e-6, w, conv=(pool, torch.tensor([1]), cw.to(torch.bfloat16)))
+    skinny.norm_linear(x, nw, 1e-6, w, conv=(pool, torch.tensor([1]), cw))
     (_, plain), (_, conv) = ptx
     return {"plain": loads_before_wait(plain), "conv": loads_before_wait(conv)}
 

@@ -5,6 +5,7 @@ the H200; `ninfer.testing.sm90`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -46,9 +47,10 @@ def test_the_in_projection_loads_its_conv_tails_before_its_pdl_wait():
     than without it."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
-        [sys.executable, "-c", "from ninfer.testing.sm90 import in_projection_early_loads as f;"
-         " print(f())"], capture_output=True, text=True, env=env, timeout=600)
+        [sys.executable, "-c", "import json; from ninfer.testing.sm90 import "
+         "in_projection_early_loads as f; print(json.dumps(f()))"],
+        capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    counts = eval(run.stdout.strip().splitlines()[-1])  # a dict literal of two ints
+    counts = json.loads(run.stdout.strip().splitlines()[-1])
     assert counts["plain"] > 0, counts  # the weights: loaded before the wait as ever
     assert counts["conv"] > counts["plain"], counts
