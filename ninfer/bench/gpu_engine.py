@@ -122,16 +122,15 @@ def _recaptured(bench, run, **settings):
         recapture(before)
 
 
-def _early_conv(bench, run, early: bool):
-    """run() with the in-projections' conv tails read before or after their PDL wait
-    (`kernels.skinny.EARLY_CONV`), the decode graphs captured afresh for it."""
-    from kernels import skinny
-    before = skinny.EARLY_CONV
-    skinny.EARLY_CONV = early
+def _switched(bench, run, module, name: str, value):
+    """run() with the kernels' switch `module.name` set to value (such as
+    `kernels.skinny.EARLY_CONV`), the decode graphs captured afresh for it."""
+    before = getattr(module, name)
+    setattr(module, name, value)
     try:
         return _recaptured(bench, run)
     finally:
-        skinny.EARLY_CONV = before
+        setattr(module, name, before)
 
 
 def _in_turn(variants: dict[str, dict], run, rounds: int = 3) -> dict:
@@ -155,7 +154,9 @@ def _settled(run, key: str, n: int = 3) -> dict:
     return {**rows[n // 2], f"{key}_runs": [row[key] for row in rows]}
 
 
-def main(json_path: str | None = None) -> int:
+def main(json_path: str | None = None, only: str | None = None) -> int:
+    """Every row (or those named in `only`, comma-separated: a short device call), the
+    JSON written to json_path."""
     if not torch.cuda.is_available():
         print("gpu engine bench: needs a CUDA device", file=sys.stderr)
         return 2
@@ -183,16 +184,23 @@ def main(json_path: str | None = None) -> int:
         {"copies": {"zero_copy": False}, "zero_copy": {"zero_copy": True}},
         lambda settings: _recaptured(b, warm(lambda: b.decode(1, tokens=DECODE_TOKENS)),
                                      **settings))))
-    steps.append(("early_conv_b1", lambda: _in_turn(
-        {"after_wait": {"early": False}, "before_wait": {"early": True}},
-        lambda settings: _early_conv(b, warm(lambda: b.decode(1, tokens=DECODE_TOKENS)),
-                                     **settings))))
+    import kernels
+    from kernels import skinny
+    for row, module, name, labels in (
+            ("early_conv_b1", skinny, "EARLY_CONV", ("after_wait", "before_wait")),
+            ("fold_gdn_out_b1", kernels, "FOLD_GDN_OUT", ("two_kernels", "one_kernel"))):
+        steps.append((row, lambda module=module, name=name, labels=labels: _in_turn(
+            {labels[0]: {"value": False}, labels[1]: {"value": True}},
+            lambda settings: _switched(b, warm(lambda: b.decode(1, tokens=DECODE_TOKENS)),
+                                       module, name, **settings))))
     steps.append(("decode_b1_4k",
                   warm(lambda: b.decode(1, tokens=DECODE_TOKENS, context=4096))))
     for drafts in (None, "accept", "reject"):  # warm too: a verify graph per round length
         steps.append((f"mtp_{drafts or 'model'}", warm(
             lambda d=drafts: b.decode(1, tokens=DECODE_TOKENS, spec="mtp", drafts=d))))
     steps.append(("turn2_4k", warm(lambda: b.turn2(4096))))
+    if only:
+        steps = [step for step in steps if step[0] in only.split(",")]
     for name, run in steps:
         t0 = time.perf_counter()
         try:
@@ -202,10 +210,10 @@ def main(json_path: str | None = None) -> int:
             print(f"gpu engine bench: {name} failed: {exc!r}", file=sys.stderr)
         print(f"  {name}: {r[name]} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
     for batch in (1, 4, 8):
-        row = r[f"decode_b{batch}"]
+        row = r.get(f"decode_b{batch}", {})
         if "tok_s" in row:
             row["roofline_fraction"] = row["tok_s"] / (batch * r["roofline_tok_s_b1"])
-    if "tok_s" in r["decode_b1"] and "tok_s" in r["decode_b1_no_ahead"]:
+    if "tok_s" in r.get("decode_b1", {}) and "tok_s" in r.get("decode_b1_no_ahead", {}):
         r["ahead_speedup_b1"] = r["decode_b1"]["tok_s"] / r["decode_b1_no_ahead"]["tok_s"]
     _write("engine", r, json_path)
     return 0

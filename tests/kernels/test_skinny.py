@@ -205,3 +205,41 @@ def test_conv_epilogue_refuses_what_it_cannot_fold():
     with pytest.raises(ValueError, match="conv epilogue"):  # destinations for every row
         skinny.norm_linear(x, _randn(K, dtype=torch.float32), 1e-6, w[:N],
                            conv=(*conv, torch.tensor([0, 1], device=DEVICE)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_pending_sum_is_added_to_the_residual_before_the_norm_and_then_zeroed(rows, dtype):
+    """`pending`: the residual plus a projection's fixed-point sum (`kernels.gdn_out`),
+    each rounded as out_proj's output and the residual add round, is what the norm and
+    the GEMM see and what comes back as the hidden state; `zero` clears the sums after."""
+    from kernels.gdn_out import SCALE, pending_value
+    r = _randn(rows, 1, K, dtype=dtype, scale=2.0)
+    out = torch.randn(rows, K, device=DEVICE) * 3
+    acc = torch.round(out.double() * SCALE).to(torch.int64)
+    nw, w = _randn(K, dtype=dtype), _randn(2 * N, K, dtype=dtype, scale=K ** -0.5)
+    h_want = (r.float() + pending_value(acc, dtype).view(rows, 1, K).float()).to(dtype)
+    y, h = skinny.norm_linear(r, nw, 1e-6, w, glu=True, pending=acc)
+    if dtype == torch.float32:  # the same roundings, element for element
+        assert torch.equal(h, h_want)
+    _close(h, h_want, dtype)  # (the interpreter truncates where the GPU rounds)
+    _close(y, skinny.norm_linear_reference(h_want, nw, 1e-6, w, glu=True), dtype, GLU_TOL)
+    assert not torch.allclose(h.float(), r.float(), atol=0.5)  # the sum was added
+    down = _randn(N, N, dtype=dtype, scale=N ** -0.5)
+    got = skinny.linear(y, down, h[..., :N], zero=acc[:, :N].contiguous())
+    _close(got, skinny.linear_reference(y, down, h[..., :N]), dtype)
+    zeroed = acc[:, :N].contiguous()
+    skinny.linear(y, down, zero=zeroed)
+    assert zeroed.abs().max() == 0 and acc.abs().max() > 0
+
+
+def test_a_pending_sum_is_refused_where_it_cannot_fold():
+    x = _randn(1, K, dtype=torch.float32)
+    w = _randn(N, K, dtype=torch.float32)
+    acc = torch.zeros(1, K, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="pending sum folds"):  # K read in parts
+        skinny.norm_linear(x, _randn(K, dtype=torch.float32), 1e-6, w, pending=acc,
+                           tiles=Tiles(16, 32, split=3))
+    with pytest.raises(ValueError, match="fixed-point sums"):  # not int64
+        skinny.norm_linear(x, _randn(K, dtype=torch.float32), 1e-6, w,
+                           pending=acc.to(torch.float32))
