@@ -26,7 +26,6 @@ def device_kernels() -> SimpleNamespace | None:
         from .decode_attention import decode_attention
         from .gdn_chunk import chunk_gated_delta_rule as chunk
         from .gdn_decode import fused_recurrent_gated_delta_rule as step
-        from .gdn_out import gdn_step_out, pending_buffer
         from .greedy import decode_start, greedy_keys
         from .kv_write import attention_prologue
         from .paged_attention import paged_attention_decode as attention
@@ -41,8 +40,7 @@ def device_kernels() -> SimpleNamespace | None:
                            gated_norm_linear=skinny.gated_norm_linear,
                            gate_linear=skinny.gate_linear,
                            attention_prologue=attention_prologue, greedy_keys=greedy_keys,
-                           decode_start=decode_start, decode_attention=decode_attention,
-                           gdn_step_out=gdn_step_out, pending_buffer=pending_buffer)
+                           decode_start=decode_start, decode_attention=decode_attention)
 
 
 # Tests set this (with TRITON_INTERPRET=1) to run the model's kernel paths on CPU tensors
@@ -63,12 +61,6 @@ def kernels_for(x) -> SimpleNamespace | None:
 # the H200 they made the batch-1 decode step 1.42x faster, and the batch-8 one 0.89x
 # (bench/results/skinny-h200.json), so a batch or a verify keeps cuBLAS
 SKINNY_ROWS = 1
-
-
-# A one-row GDN decode step runs its rule and out_proj in one kernel, the sum handed to the
-# MLP's first GEMM in fixed point (`kernels.gdn_out`). False: two kernels (the benchmark's
-# "before")
-FOLD_GDN_OUT = True
 
 
 def skinny_for(x) -> SimpleNamespace | None:

@@ -103,30 +103,20 @@ def _norm_weights(nw_ptr, ks, km, PROLOGUE: tl.constexpr, HEAD: tl.constexpr):
 
 
 @triton.jit
-def _x_tile(x_ptr, nw, z_ptr, xn_ptr, acc_ptr, rows, rm, ks, km, pid_n, s_x, s_z, s_zh, s_xn,
-            eps, offset, inv, K, dt: tl.constexpr, PROLOGUE: tl.constexpr,
-            HEAD: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, NORMED: tl.constexpr,
-            WHOLE: tl.constexpr, PENDING: tl.constexpr):
+def _x_tile(x_ptr, nw, z_ptr, xn_ptr, rows, rm, ks, km, pid_n, s_x, s_z, s_zh, s_xn, eps,
+            offset, inv, K, dt: tl.constexpr, PROLOGUE: tl.constexpr, HEAD: tl.constexpr,
+            BM: tl.constexpr, BK: tl.constexpr, NORMED: tl.constexpr, WHOLE: tl.constexpr):
     """Columns ks of the GEMM's left operand: x's rows with the prologue applied (nw: its
     norm weights, `_norm_weights`). WHOLE: ks covers all of K, and the rms norm's inverse
-    is taken from this very load (else `inv` is given). PENDING: x is a residual to which
-    the fixed-point sums in acc ([rows, K] int64, units of 2^-32: `kernels.gdn_out`) are
-    added first, each rounded as out_proj's output and the residual add round; the first
-    program writes that sum to xn (the layer's hidden state)."""
+    is taken from this very load (else `inv` is given)."""
     xm = rm[:, None] & km[None, :]
     xv = tl.load(x_ptr + rows[:, None] * s_x + ks[None, :], mask=xm, other=0.0)
-    if PENDING:
-        sv = tl.load(acc_ptr + rows[:, None] * K + ks[None, :], mask=xm, other=0)
-        part = (sv.to(tl.float32) * (1.0 / 4294967296.0)).to(dt)
-        xv = (xv.to(tl.float32) + part.to(tl.float32)).to(dt)
-        tl.store(xn_ptr + rows[:, None] * s_xn + ks[None, :], xv,
-                 mask=xm & (rows * 0 + pid_n == 0)[:, None])
     if PROLOGUE == 1:  # y = x / rms(x) * (offset + w), cast back
         if WHOLE:
             xf = xv.to(tl.float32)
             inv = tl.rsqrt(tl.sum(xf * xf, axis=1) / K + eps)
         xv = (xv.to(tl.float32) * inv[:, None] * (offset + nw[None, :])).to(dt)
-        if NORMED and not PENDING:
+        if NORMED:
             tl.store(xn_ptr + rows[:, None] * s_xn + ks[None, :], xv,
                      mask=xm & (rows * 0 + pid_n == 0)[:, None])  # (a tensor mask)
     elif PROLOGUE == 2:  # per head: (w * (x / rms(x)).cast) .cast * silu(z)
@@ -197,7 +187,7 @@ def _conv_epilogue(y, old, after, wc, live, out, ns, ym, C, KC: tl.constexpr,
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cnt_ptr,
-                   conv_ptr, slot_ptr, dest_ptr, cw_ptr, keys_ptr, acc_ptr,
+                   conv_ptr, slot_ptr, dest_ptr, cw_ptr, keys_ptr,
                    M, N, K, s_x, s_w, s_y, s_r, s_z, s_zh, s_xn, eps, offset,
                    C, s_cn, s_cc, s_cwc, s_cwk,
                    PROLOGUE: tl.constexpr, HEAD: tl.constexpr, GLU: tl.constexpr,
@@ -205,8 +195,7 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
                    BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
                    DOT: tl.constexpr, IEEE: tl.constexpr, SINGLE: tl.constexpr,
                    CONV: tl.constexpr, KC: tl.constexpr, KP: tl.constexpr,
-                   ARGMAX: tl.constexpr, EARLY_CONV: tl.constexpr, PENDING: tl.constexpr,
-                   ZERO: tl.constexpr, PDL: tl.constexpr):
+                   ARGMAX: tl.constexpr, EARLY_CONV: tl.constexpr, PDL: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     pdl.launch_dependents(PDL)
     dt = y_ptr.dtype.element_ty
@@ -253,9 +242,8 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
         if GLU:
             acc_u = tl.zeros([BN, BK], dtype=tl.float32)
     if SINGLE:
-        xv = _x_tile(x_ptr, nw1, z_ptr, xn_ptr, acc_ptr, rows, rm, ks1, km1, pid_n, s_x, s_z,
-                     s_zh, s_xn, eps, offset, inv, K, dt, PROLOGUE, HEAD, BM, BK, NORMED, True,
-                     PENDING)
+        xv = _x_tile(x_ptr, nw1, z_ptr, xn_ptr, rows, rm, ks1, km1, pid_n, s_x, s_z, s_zh,
+                     s_xn, eps, offset, inv, K, dt, PROLOGUE, HEAD, BM, BK, NORMED, True)
         acc = _accumulate(acc, xv, wv1, DOT, IEEE)
         if GLU:
             acc_u = _accumulate(acc_u, xv, wu1, DOT, IEEE)
@@ -264,8 +252,8 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
             ks = k0 + tl.arange(0, BK)
             km = ks < K
             xv = _x_tile(x_ptr, _norm_weights(nw_ptr, ks, km, PROLOGUE, HEAD), z_ptr, xn_ptr,
-                         acc_ptr, rows, rm, ks, km, pid_n, s_x, s_z, s_zh, s_xn, eps, offset,
-                         inv, K, dt, PROLOGUE, HEAD, BM, BK, NORMED, False, False)
+                         rows, rm, ks, km, pid_n, s_x, s_z, s_zh, s_xn, eps, offset, inv, K,
+                         dt, PROLOGUE, HEAD, BM, BK, NORMED, False)
             w_ptrs = w_ptr + ns[:, None] * s_w + ks[None, :]
             wm = nm[:, None] & km[None, :]
             acc = _accumulate(acc, xv, tl.load(w_ptrs, mask=wm, other=0.0), DOT, IEEE)
@@ -307,9 +295,6 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
             r = tl.load(r_ptr + rows[:, None] * s_r + ns[None, :], mask=ym, other=0.0)
         y = (r.to(tl.float32) + y.to(tl.float32)).to(dt)
     tl.store(y_ptr + rows[:, None] * s_y + ns[None, :], y, mask=ym)
-    if ZERO:  # the fixed-point sums the kernel before read, zero again for the next layer
-        tl.store(acc_ptr + rows[:, None] * N + ns[None, :], tl.zeros([BM, BN], tl.int64),
-                 mask=ym)
     if ARGMAX:  # each row's greedy key over this program's columns, folded into the row's
         key = tl.where(ym, key_of(y.to(tl.float32), ns[None, :] + rows[:, None] * 0),
                        KEY_NONE_C)
@@ -341,7 +326,6 @@ def _launch(x: Tensor, w: Tensor, *, prologue: int = NONE, norm_weight: Tensor |
             eps: float = 0.0, offset: float = 1.0, z: Tensor | None = None, head: int = 1,
             glu: bool = False, residual: Tensor | None = None, normed: bool = False,
             conv: tuple[Tensor, ...] | None = None, argmax: Tensor | None = None,
-            pending: Tensor | None = None, zero: Tensor | None = None,
             tiles: Tiles | None = None) -> Tensor | tuple[Tensor, Tensor]:
     K = x.shape[-1]
     N = w.shape[0] // 2 if glu else w.shape[0]
@@ -355,17 +339,8 @@ def _launch(x: Tensor, w: Tensor, *, prologue: int = NONE, norm_weight: Tensor |
         t = t._replace(dot=True, bn=max(t.bn, 16), bk=max(t.bk, 16))
     if prologue == GATED:  # whole heads per step
         t = t._replace(bk=max(t.bk, head))
-    for acc, width, what in ((pending, K, "pending"), (zero, N, "zero")):
-        if acc is not None and (acc.dtype != torch.int64 or acc.numel() != M * width
-                                or not acc.is_contiguous()):
-            raise ValueError(f"`{what}` takes the fixed-point sums as a contiguous int64 "
-                             f"[{M}, {width}], got {tuple(acc.shape)} {acc.dtype}")
-    if pending is not None and (prologue != RMS or normed or t.split > 1 or t.bk < K):
-        raise ValueError("a pending sum folds only into a normed GEMM that reads all of K "
-                         "at once")
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    xn = torch.empty(M, K, dtype=x.dtype, device=x.device) if normed or pending is not None \
-        else y
+    xn = torch.empty(M, K, dtype=x.dtype, device=x.device) if normed else y
     r2 = _rows(residual) if residual is not None else y
     z2 = z.reshape(M, -1, head) if z is not None else x2.view(M, -1, 1)
     BM = 16 if t.dot else 1
@@ -384,7 +359,6 @@ def _launch(x: Tensor, w: Tensor, *, prologue: int = NONE, norm_weight: Tensor |
     _skinny_kernel[(grid_n, t.split)](
         x2, w, y, r2, norm_weight if norm_weight is not None else w, z2, xn, ws, cnt,
         pool, slots, dests, cw, argmax if argmax is not None else y,
-        pending if pending is not None else zero if zero is not None else y,
         M, N, K, x2.stride(0), w.stride(0), y.stride(0), r2.stride(0), z2.stride(0),
         z2.stride(1), xn.stride(0), eps, offset,
         cw.shape[0] if conv is not None else 0, pool.stride(0), pool.stride(1),
@@ -395,10 +369,9 @@ def _launch(x: Tensor, w: Tensor, *, prologue: int = NONE, norm_weight: Tensor |
         SINGLE=t.split == 1 and t.bk >= K, CONV=conv is not None,
         KC=cw.shape[1] if conv is not None else 2,
         KP=triton.next_power_of_2(cw.shape[1]) if conv is not None else 2,
-        ARGMAX=argmax is not None, EARLY_CONV=EARLY_CONV, PENDING=pending is not None,
-        ZERO=zero is not None, num_warps=t.warps, **pdl.launch(x))
+        ARGMAX=argmax is not None, EARLY_CONV=EARLY_CONV, num_warps=t.warps, **pdl.launch(x))
     y = y.view(*x.shape[:-1], N)
-    return (y, xn.view(x.shape)) if normed or pending is not None else y
+    return (y, xn.view(x.shape)) if normed else y
 
 
 def _conv_args(conv, M: int, N: int, glu: bool, residual
@@ -419,17 +392,15 @@ def _conv_args(conv, M: int, N: int, glu: bool, residual
 
 
 def linear(x: Tensor, w: Tensor, residual: Tensor | None = None, *, glu: bool = False,
-           zero: Tensor | None = None, tiles: Tiles | None = None) -> Tensor:
+           tiles: Tiles | None = None) -> Tensor:
     """x [..., K] @ w[N, K]^T (+ residual [..., N]), in x's dtype; `glu`: w is [gate; up]
-    (2N rows) and the result silu(gate) * up. `zero`: int64 [rows, N] fixed-point sums
-    that the kernel before read (`norm_linear`'s `pending`), set to zero here."""
-    return _launch(x, w, residual=residual, glu=glu, zero=zero, tiles=tiles)
+    (2N rows) and the result silu(gate) * up."""
+    return _launch(x, w, residual=residual, glu=glu, tiles=tiles)
 
 
 def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, w: Tensor, *, glu: bool = False,
                 normed: bool = False, offset: float = 1.0,
                 conv: tuple[Tensor, ...] | None = None, argmax: Tensor | None = None,
-                pending: Tensor | None = None,
                 tiles: Tiles | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """rms_norm(x) @ w^T; `glu`: w is [gate; up] and the result silu(gate) * up; `normed`:
     (y, the normed x) is returned. `conv=(pool, slots, weight [C, K])`: y's first C
@@ -440,13 +411,9 @@ def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, w: Tensor, *, glu: b
     The pool and the slots are read before the PDL wait (`EARLY_CONV`): nothing launched
     in the same forward may write them (a decode step's slot pool).
     `argmax`: int64 [rows], each row's greedy key over y (`kernels.greedy`) folded in by
-    atomic max (reset it to KEY_NONE first; the LM head's greedy token on the device).
-    `pending`: int64 [rows, K], a projection's output still in fixed point (units of 2^-32,
-    `kernels.gdn_out`): x is the residual it is added to, and (y, that sum) is returned,
-    the sum rounded as out_proj's output and the residual add are."""
+    atomic max (reset it to KEY_NONE first; the LM head's greedy token on the device)."""
     return _launch(x, w, prologue=RMS, norm_weight=norm_weight, eps=eps, offset=offset,
-                   glu=glu, normed=normed, conv=conv, argmax=argmax, pending=pending,
-                   tiles=tiles)
+                   glu=glu, normed=normed, conv=conv, argmax=argmax, tiles=tiles)
 
 
 def gated_norm_linear(x: Tensor, z: Tensor, norm_weight: Tensor, eps: float, w: Tensor,

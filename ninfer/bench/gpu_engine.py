@@ -122,15 +122,16 @@ def _recaptured(bench, run, **settings):
         recapture(before)
 
 
-def _switched(bench, run, module, name: str, value):
-    """run() with the kernels' switch `module.name` set to value (such as
-    `kernels.skinny.EARLY_CONV`), the decode graphs captured afresh for it."""
-    before = getattr(module, name)
-    setattr(module, name, value)
+def _early_conv(bench, run, early: bool):
+    """run() with the in-projections' conv tails read before or after their PDL wait
+    (`kernels.skinny.EARLY_CONV`), the decode graphs captured afresh for it."""
+    from kernels import skinny
+    before = skinny.EARLY_CONV
+    skinny.EARLY_CONV = early
     try:
         return _recaptured(bench, run)
     finally:
-        setattr(module, name, before)
+        skinny.EARLY_CONV = before
 
 
 def _in_turn(variants: dict[str, dict], run, rounds: int = 3) -> dict:
@@ -184,15 +185,10 @@ def main(json_path: str | None = None, only: str | None = None) -> int:
         {"copies": {"zero_copy": False}, "zero_copy": {"zero_copy": True}},
         lambda settings: _recaptured(b, warm(lambda: b.decode(1, tokens=DECODE_TOKENS)),
                                      **settings))))
-    import kernels
-    from kernels import skinny
-    for row, module, name, labels in (
-            ("early_conv_b1", skinny, "EARLY_CONV", ("after_wait", "before_wait")),
-            ("fold_gdn_out_b1", kernels, "FOLD_GDN_OUT", ("two_kernels", "one_kernel"))):
-        steps.append((row, lambda module=module, name=name, labels=labels: _in_turn(
-            {labels[0]: {"value": False}, labels[1]: {"value": True}},
-            lambda settings: _switched(b, warm(lambda: b.decode(1, tokens=DECODE_TOKENS)),
-                                       module, name, **settings))))
+    steps.append(("early_conv_b1", lambda: _in_turn(
+        {"after_wait": {"early": False}, "before_wait": {"early": True}},
+        lambda settings: _early_conv(b, warm(lambda: b.decode(1, tokens=DECODE_TOKENS)),
+                                     **settings))))
     steps.append(("decode_b1_4k",
                   warm(lambda: b.decode(1, tokens=DECODE_TOKENS, context=4096))))
     for drafts in (None, "accept", "reject"):  # warm too: a verify graph per round length

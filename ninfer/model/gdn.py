@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-import kernels
 from kernels import kernels_for, skinny_for
 from kernels.gdn_reference import (
     causal_conv1d_update,
@@ -17,7 +16,7 @@ from kernels.gdn_reference import (
 )
 
 from .config import ModelConfig
-from .layers import GatedRMSNorm, PendingSum, RMSNorm, compute_dtype, packed_weight
+from .layers import GatedRMSNorm, RMSNorm, compute_dtype, packed_weight
 
 
 @dataclass(frozen=True)
@@ -161,8 +160,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: Tensor, state: GDNState | SlotGDNState, all_states: bool = False,
                 chunk_size: int = 64, norm: RMSNorm | None = None,
-                residual: Tensor | None = None, fold: bool = False,
-                ) -> tuple[Tensor | PendingSum, GDNState | SlotGDNState]:
+                residual: Tensor | None = None) -> tuple[Tensor, GDNState | SlotGDNState]:
         """x [B, T, hidden] continuing from `state` (the state at the first token's
         position) -> (y [B, T, hidden], new state). The new state is the state after the
         last token, or with `all_states` the per-position state (see GDNState). A
@@ -170,15 +168,13 @@ class GatedDeltaNet(nn.Module):
         forward on the GPU (and returned), read as a copy otherwise. On a GPU the Triton
         kernels compute what the torch references compute. `norm`: x is normed by it
         first; `residual`: y is residual + the layer's output (on the decode path,
-        `skinny_for`, each folds into the projection GEMM beside it). `fold`: the caller
-        takes a `PendingSum` (its MLP does), so a one-row step off the slot pools may run
-        its rule and out_proj in one kernel (`kernels.gdn_out`) and return one."""
+        `skinny_for`, each folds into the projection GEMM beside it)."""
         B, T, _ = x.shape
         Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         dev = kernels_for(x)
         if isinstance(state, SlotGDNState):
             if dev is not None and T == 1 and not all_states:
-                return self._step_in_place(x, state, dev, norm, residual, fold), state
+                return self._step_in_place(x, state, dev, norm, residual), state
             state = state.gather()
         qkv, z, b, a = self._project(x, norm)
         weight = self.conv1d.weight.squeeze(1)
@@ -251,10 +247,9 @@ class GatedDeltaNet(nn.Module):
                         gates=gates), recurrent
 
     def _step_in_place(self, x: Tensor, state: SlotGDNState, dev, norm: RMSNorm | None,
-                       residual: Tensor | None, fold: bool = False) -> Tensor | PendingSum:
+                       residual: Tensor | None) -> Tensor:
         """One token per lane, the conv tail and recurrent matrix updated in their slots (or
-        written to `state.dests`). `fold` (one row, its norm and residual given): the rule
-        and out_proj in one kernel, a `PendingSum` returned."""
+        written to `state.dests`)."""
         B = x.shape[0]
         dests = state.dests if state.dests is not None else state.slots
         Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
@@ -268,14 +263,6 @@ class GatedDeltaNet(nn.Module):
             conv_out = dev.conv(qkv.transpose(1, 2), state.conv_pool, weight,
                                 activation="silu", state_indices=state.slots,
                                 out_indices=dests)[0].transpose(1, 2)
-        acc = dev.pending_buffer(x.device, self.out_proj.out_features) \
-            if fold and kernels.FOLD_GDN_OUT and B == 1 and residual is not None \
-            and norm is not None and skinny_for(x) is not None else None
-        if acc is not None:
-            dev.gdn_step_out(conv_out, z, a, b, self.A_log, self.dt_bias, self.norm.weight,
-                             self.norm.eps, self.out_proj.weight, state.rec_pool, state.slots,
-                             dests, acc.view(-1))
-            return PendingSum(residual, acc)
         q, k, v = conv_out.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
         o = dev.step(q.reshape(B, 1, Hk, Dk), k.reshape(B, 1, Hk, Dk), v.reshape(B, 1, Hv, Dv),
                      None, None, state.rec_pool, state_indices=state.slots, use_qk_l2norm=True,

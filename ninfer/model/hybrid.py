@@ -105,9 +105,7 @@ class DecoderLayer(nn.Module):
                                         residual=h), None
         else:
             assert gdn is not None, "a GDN layer needs its state"
-            # the MLP takes the out-projection's sum still pending (`kernels.gdn_out`)
-            h, new_gdn = self.linear_attn(h, gdn, all_states=all_states, norm=norm, residual=h,
-                                          fold=True)
+            h, new_gdn = self.linear_attn(h, gdn, all_states=all_states, norm=norm, residual=h)
         return self.mlp(h, norm=self.post_attention_layernorm, residual=h), new_gdn
 
 

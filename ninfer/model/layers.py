@@ -8,7 +8,6 @@ and a bf16 model matches the reference's float32 upcasts.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -116,16 +115,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([rot * cos + rotated_half * sin, rest], dim=-1)
 
 
-class PendingSum(NamedTuple):
-    """A hidden state whose last residual add is still pending: `residual` plus a
-    projection's output held in fixed point in `acc` (int64 [1, hidden], units of 2^-32:
-    `kernels.gdn_out`). Only the decode path's MLP takes it, adding the two inside its
-    first GEMM and zeroing acc in its second."""
-
-    residual: Tensor
-    acc: Tensor
-
-
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
@@ -135,23 +124,11 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: Tensor | PendingSum, norm: RMSNorm | None = None,
-                residual: Tensor | PendingSum | None = None) -> Tensor:
+    def forward(self, x: Tensor, norm: RMSNorm | None = None,
+                residual: Tensor | None = None) -> Tensor:
         """x [..., hidden] -> [..., hidden]. `norm`: x is normed by it first; `residual`: it
         is added to the output. On the decode path (`skinny_for`) both fold into the GEMMs:
-        norm -> gate/up -> silu * up in one kernel, down + residual in another. x may be a
-        `PendingSum` there (with `norm`, and itself as the residual): the pending add runs
-        in the first GEMM, which hands back the hidden state for the second."""
-        if isinstance(x, PendingSum):
-            dev = skinny_for(x.residual)
-            if dev is None or norm is None or residual is not x:
-                raise ValueError("a pending sum is taken only by the decode path's MLP, "
-                                 "normed, as its own residual")
-            g, u = self.gate_proj.weight, self.up_proj.weight
-            w = packed_weight(self, "_gate_up", [g, u], lambda: torch.cat([g, u]))
-            act, h = dev.norm_linear(x.residual, norm.weight, norm.eps, w, glu=True,
-                                     pending=x.acc)
-            return dev.linear(act, self.down_proj.weight, h, zero=x.acc)
+        norm -> gate/up -> silu * up in one kernel, down + residual in another."""
         dev = kernels_for(x)
         if dev is not None:
             g, u = self.gate_proj.weight, self.up_proj.weight

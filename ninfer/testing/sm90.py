@@ -97,8 +97,8 @@ class _Compiling:
 
 
 _MODULES = tuple(f"kernels.{name}" for name in (
-    "conv1d", "decode_attention", "fused", "gdn_chunk", "gdn_decode", "gdn_out", "greedy",
-    "kv_write", "paged_attention", "skinny"))
+    "conv1d", "decode_attention", "fused", "gdn_chunk", "gdn_decode", "greedy", "kv_write",
+    "paged_attention", "skinny"))
 
 
 def _patch(seen: dict, ptx: list | None = None) -> None:
@@ -128,7 +128,6 @@ def _launches() -> None:
         fused,
         gdn_chunk,
         gdn_decode,
-        gdn_out,
         greedy,
         kv_write,
         paged_attention,
@@ -153,9 +152,6 @@ def _launches() -> None:
                        conv=(pool, slots, r(conv_dim, 4)))
     skinny.norm_linear(x, nw, 1e-6, r(V, H), normed=True,
                        argmax=torch.zeros(1, dtype=torch.int64))
-    acc = torch.zeros(1, H, dtype=torch.int64)  # a GDN layer's sum pending into the MLP
-    skinny.norm_linear(x, nw, 1e-6, r(2 * inter, H), glu=True, pending=acc)
-    skinny.linear(r(1, 1, inter), r(H, inter), residual=x, zero=acc)
     # elementwise
     fused.rms_norm(r(2, 8, H), nw, 1e-6, residual=r(2, 8, H))
     fused.gated_rms_norm(r(8, Hv, D), r(8, Hv, D), r(D), 1e-6)
@@ -193,10 +189,6 @@ def _launches() -> None:
     gdn_decode.fused_recurrent_gated_delta_rule(
         q[:, :1], k[:, :1], v[:, :1], None, None, states, state_indices=slots,
         out_indices=slots, use_qk_l2norm=True, gates=gates, early_state=True)
-    proj = r(1, 1, conv_dim + Hv * D + 2 * Hv)  # the GDN rule and out_proj in one launch
-    gdn_out.gdn_step_out(proj[..., :conv_dim], proj[..., conv_dim:conv_dim + Hv * D].view(
-        1, 1, Hv, D), proj[..., -Hv:], proj[..., -2 * Hv:-Hv], r(Hv), r(Hv), r(D), 1e-6,
-        r(H, Hv * D), states, slots, slots, acc.view(-1))
     gates = (r(1, 4, Hv), r(1, 4, Hv), r(Hv), r(Hv))
     gdn_decode.fused_recurrent_gated_delta_rule(
         q[:, :4], k[:, :4], v[:, :4], None, None, torch.zeros(1, Hv, D, D), all_states=True,

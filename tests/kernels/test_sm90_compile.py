@@ -17,7 +17,7 @@ import torch
 # kernels of the batch-1 decode step and its neighbours: registers only, no stack
 NO_SPILL = ("_skinny_kernel", "_gdn_decode_kernel", "_decode_attention_kernel",
             "_paged_attn_merge_kernel", "_decode_start_kernel", "_conv_update_kernel",
-            "_qk_norm_gates_kernel", "_rms_norm_kernel", "_gdn_out_kernel")
+            "_qk_norm_gates_kernel", "_rms_norm_kernel")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(),

@@ -91,35 +91,6 @@ def test_a_one_token_step_updates_only_its_lanes_slots(on_cpu, slots):
     assert c.linear_layers
 
 
-def test_a_one_row_step_runs_each_gdn_rule_and_out_proj_as_one_kernel(on_cpu, monkeypatch):
-    """One lane: each GDN layer's rule and out_proj run in one launch, the sum handed to
-    the MLP in fixed point (`kernels.gdn_out`), and the sums are zero again after the
-    forward (the next step adds into them); the logits are the torch path's."""
-    model = _model_with_random_states(3)
-    dev = kernels.device_kernels()
-    calls = []
-
-    def counting(*args, **kwargs):
-        calls.append(args[-1])  # the sums it adds into
-        return step_out(*args, **kwargs)
-
-    step_out = dev.gdn_step_out
-    monkeypatch.setattr(dev, "gdn_step_out", counting)
-    ids, pos, tables = torch.tensor([[5]]), torch.tensor([[3]]), [[0, 1]]
-    kernels.INTERPRET_ON_CPU = False
-    ref = model.net.forward(ids, pos, model._state([4], tables))  # on copies of the slots
-    kernels.INTERPRET_ON_CPU = True
-    got = model.net.forward(ids, pos, model._state([4], tables))
-    assert len(calls) == len(model.config.linear_layers)
-    assert all(acc.abs().max() == 0 for acc in calls)
-    assert torch.allclose(got.logits, ref.logits, atol=1e-4, rtol=1e-4)
-    monkeypatch.setattr(kernels, "FOLD_GDN_OUT", False)  # the two kernels: none of it
-    calls.clear()
-    fresh = _model_with_random_states(3)  # the same states: slot 4 was stepped above
-    again = fresh.net.forward(ids, pos, fresh._state([4], tables))
-    assert not calls and torch.allclose(again.logits, ref.logits, atol=1e-4, rtol=1e-4)
-
-
 def test_a_conv_that_cannot_fold_into_the_projection_is_refused(on_cpu):
     """Two rows take no skinny GEMM: the conv must not be dropped on the floor."""
     model = _factory(16, 4, 6)
