@@ -38,6 +38,11 @@ from .paged_attention import (
     online_softmax_step,
 )
 
+# KV positions per tile (and so per split's first load, held in registers before the PDL
+# wait) where the heads are wider than 128 or the dtype is float32; narrower bf16 heads
+# take 64. The benchmark times 16 against it (`ninfer.bench.gpu_engine`).
+WIDE_TILE = 32
+
 
 @triton.jit
 def _decode_attention_kernel(
@@ -143,7 +148,7 @@ def decode_attention(y: Tensor, heads: int, kv_heads: int, head_dim: int, q_norm
     BD = triton.next_power_of_2(D)
     f32 = y.dtype == torch.float32
     BM = max(16, triton.next_power_of_2(G))
-    BN = BN or (64 if D <= 128 and not f32 else 32)
+    BN = BN or (64 if D <= 128 and not f32 else WIDE_TILE)
     splits = num_splits or _default_splits(B * kv_heads, block_tables.shape[1] * k_cache.shape[1],
                                            BN)
     num_warps = num_warps or (8 if f32 or BM * BD > 4096 else 4)

@@ -122,16 +122,15 @@ def _recaptured(bench, run, **settings):
         recapture(before)
 
 
-def _early_conv(bench, run, early: bool):
-    """run() with the in-projections' conv tails read before or after their PDL wait
-    (`kernels.skinny.EARLY_CONV`), the decode graphs captured afresh for it."""
-    from kernels import skinny
-    before = skinny.EARLY_CONV
-    skinny.EARLY_CONV = early
+def _switched(bench, run, module, name: str, value):
+    """run() with the kernels' setting `module.name` set to value (such as
+    `kernels.skinny.EARLY_CONV`), the decode graphs captured afresh for it."""
+    before = getattr(module, name)
+    setattr(module, name, value)
     try:
         return _recaptured(bench, run)
     finally:
-        skinny.EARLY_CONV = before
+        setattr(module, name, before)
 
 
 def _in_turn(variants: dict[str, dict], run, rounds: int = 3) -> dict:
@@ -185,10 +184,18 @@ def main(json_path: str | None = None, only: str | None = None) -> int:
         {"copies": {"zero_copy": False}, "zero_copy": {"zero_copy": True}},
         lambda settings: _recaptured(b, warm(lambda: b.decode(1, tokens=DECODE_TOKENS)),
                                      **settings))))
-    steps.append(("early_conv_b1", lambda: _in_turn(
-        {"after_wait": {"early": False}, "before_wait": {"early": True}},
-        lambda settings: _early_conv(b, warm(lambda: b.decode(1, tokens=DECODE_TOKENS)),
-                                     **settings))))
+    from kernels import decode_attention, skinny
+    for row, module, name, variants, context in (
+            ("early_conv_b1", skinny, "EARLY_CONV", {"after_wait": False, "before_wait": True},
+             64),
+            ("attention_tile_b1", decode_attention, "WIDE_TILE", {"32": 32, "16": 16}, 64),
+            ("attention_tile_b1_4k", decode_attention, "WIDE_TILE", {"32": 32, "16": 16},
+             4096)):
+        steps.append((row, lambda module=module, name=name, variants=variants,
+                      context=context: _in_turn(
+            {label: {"value": value} for label, value in variants.items()},
+            lambda settings: _switched(b, warm(lambda: b.decode(
+                1, tokens=DECODE_TOKENS, context=context)), module, name, **settings))))
     steps.append(("decode_b1_4k",
                   warm(lambda: b.decode(1, tokens=DECODE_TOKENS, context=4096))))
     for drafts in (None, "accept", "reject"):  # warm too: a verify graph per round length
