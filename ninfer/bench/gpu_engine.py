@@ -10,9 +10,13 @@ transformers + fla on the same weights, each measured in the run that reports it
   time (a graph replay and its argmax), a verify of 4 positions and an MTP head step (graph
   replays too: `ninfer.model.spec_graphs`) against a plain step; decode at batch 1 again
   with the graphs not running the next step ahead (`ninfer.model.graphs`), the same-run
-  "before" of that; and decode at batch 1 without and with zero-copy staging
-  (`ninfer.model.graphs`), the graphs captured afresh for each, in turn three times (runs
-  drift by ~2% over a minute): the median of each and their ratio.
+  "before" of that; and decode at batch 1 under each value of a setting, the graphs
+  captured afresh for each, in turn three times (runs drift by ~2% over a minute): the
+  median of each and their ratio. The settings: zero-copy staging (`ninfer.model.graphs`),
+  the conv tails read before or after the PDL wait (`kernels.skinny.EARLY_CONV`), and the
+  attention's tile for wide heads at 64 and 4K tokens of context
+  (`kernels.decode_attention.WIDE_TILE`). `main(path, only="row,row")` runs only those
+  rows (a short device call).
 - baseline: transformers' Qwen3NextForCausalLM on the same files, with fla's kernels when
   transformers binds them (reported), `generate` greedy at batch 1 and 8, and a 4K prefill.
 """

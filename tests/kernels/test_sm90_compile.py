@@ -20,13 +20,20 @@ NO_SPILL = ("_skinny_kernel", "_gdn_decode_kernel", "_decode_attention_kernel",
             "_qk_norm_gates_kernel", "_rms_norm_kernel")
 
 
+def _compiled(args: list[str]) -> subprocess.CompletedProcess:
+    """python args, in a process of its own (`ninfer.testing.sm90` patches the kernel
+    modules) with compiled kernels, not the interpreter; it must succeed."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
 @pytest.mark.skipif(torch.cuda.is_available(),
                     reason="with a GPU the kernel tests compile and run every kernel")
 def test_every_kernel_compiles_for_sm90_and_the_decode_kernels_do_not_spill():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "ninfer.testing.sm90"], capture_output=True,
-                         text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = _compiled(["-m", "ninfer.testing.sm90"])
     rows = dict(line.split(None, 1) for line in run.stdout.splitlines() if line.strip())
     for kernel in ("_state_kernel", "_solve_kernel", "_output_kernel", "_prologue_kernel",
                    "_paged_attn_split_kernel", "_greedy_keys_kernel", "_rope_kernel",
@@ -39,18 +46,14 @@ def test_every_kernel_compiles_for_sm90_and_the_decode_kernels_do_not_spill():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(),
-                    reason="with a GPU the kernel tests compile and run every kernel")
+                    reason="compiled for sm_90 without a GPU: CI's check of the kernels' code")
 def test_the_in_projection_loads_its_conv_tails_before_its_pdl_wait():
     """The conv epilogue's reads of the slot pool (the slot, the tail, the weights) are
     issued before the wait, so their dependent round trips overlap the kernel before
     (`kernels.skinny.EARLY_CONV`): the in-projection with the conv issues more loads there
     than without it."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-c", "import json; from ninfer.testing.sm90 import "
-         "in_projection_early_loads as f; print(json.dumps(f()))"],
-        capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = _compiled(["-c", "import json; from ninfer.testing.sm90 import "
+                     "in_projection_early_loads as f; print(json.dumps(f()))"])
     counts = json.loads(run.stdout.strip().splitlines()[-1])
     assert counts["plain"] > 0, counts  # the weights: loaded before the wait as ever
     assert counts["conv"] > counts["plain"], counts
