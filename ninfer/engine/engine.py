@@ -493,9 +493,11 @@ class Engine:
         lane's acceptance and commit. A lane whose parts are broken fails alone."""
         lives = [x for x in lives if x.round is not None and x.request.id in self.live]
         items = [(x.lane, [x.request.sequence[-1], *x.round[2]], x.round[0]) for x in lives]
-        # plain greedy decode: every lane that goes on feeds its greedy token next
+        # plain greedy decode: every lane that goes on feeds its greedy token next, so the
+        # model may run that step ahead; not when a lane makes its last token (a step run
+        # ahead then is wasted, and whatever is queued after it waits for it)
         greedy = all(isinstance(x.choice, GreedyChoice) for x in lives)
-        ahead = self.mode.spec == "none" and greedy
+        ahead = self.mode.spec == "none" and greedy and all(x.round[1] > 1 for x in lives)
         logits = not greedy or any(x.request.params.logprobs > 0 for x in lives)
         try:
             outs = self.runner.forward_many(items, ahead=ahead, logits=logits)

@@ -50,16 +50,38 @@ def test_a_pool_with_no_block_to_spare_still_decodes_every_token():
 
 
 class OutputsSim(AheadSim):
-    """Records, per batched forward, whether the engine asked for logits and hidden states."""
+    """Records, per batched forward, whether the engine asked for logits and hidden states,
+    and whether it let the model run the next step ahead."""
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
         self.asked: list[bool] = []
+        self.aheads: list[tuple[int, bool]] = []  # (lanes, ahead) per decode forward
 
     def forward_batch(self, items, per_position=True, ahead=False, outputs=True):
         if items:
             self.asked.append(outputs)
+            if all(len(tokens) == 1 for _, tokens, _ in items):
+                self.aheads.append((len(items), ahead))
         return [self.forward(lane, tokens, start) for lane, tokens, start in items]
+
+
+def test_no_step_runs_ahead_of_a_lanes_last_token():
+    # two greedy lanes, 4 and 6 tokens: every decode step runs the next ahead but the one
+    # that makes a lane's last token (the step ahead would be wasted, and the work queued
+    # after it would wait for it)
+    h = Harness(EngineConfig(max_concurrency=2), num_blocks=96, block_size=4,
+                model_factory=lambda nb, bs, ns: OutputsSim(num_blocks=nb, block_size=bs,
+                                                            num_slots=ns, seed=0))
+    for rid, n in (("a", 4), ("b", 6)):
+        h.engine.submit(Submit(rid, tuple(range(1, 8)), "s", "t", SamplingParams(max_tokens=n)))
+    h.run()
+    h.check()
+    assert len(h.outputs("a")) == 4 and len(h.outputs("b")) == 6
+    # the prompts make token 1 of each; then decode steps of both lanes for tokens 2..4
+    # (the last of them a's last token), then b alone for 5..6
+    assert h.engine.runner.model.aheads == [(2, True), (2, True), (2, False), (1, True),
+                                            (1, False)]
 
 
 def test_greedy_decode_without_logprobs_leaves_the_logits_out_and_only_that():
