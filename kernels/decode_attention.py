@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import pdl
+from . import paged_attention, pdl
 from .kv_write import _check, norm_rope
 from .paged_attention import (
     LOG2E,
@@ -36,6 +36,7 @@ from .paged_attention import (
     kv_tile,
     merge_splits,
     online_softmax_step,
+    split_range,
 )
 
 # KV positions per tile (and so per split's first load, held in registers before the PDL
@@ -52,20 +53,36 @@ def _decode_attention_kernel(
     s_pb, s_ph, s_ps, s_lb, s_lh,
     H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
     BD: tl.constexpr, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    SPLITS: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr,
+    SPLITS: tl.constexpr, F32_DOT: tl.constexpr, SKIP: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.launch_dependents(PDL)
     i_bh, i_s = tl.program_id(0), tl.program_id(1)
     b, kvh = i_bh // HKV, i_bh % HKV
+    # the position this forward adds: an input of the forward, read before the wait
+    new = tl.load(pos_ptr + b * s_pb0).to(tl.int32)
+    lo, hi = split_range(new + 1, i_s, BN, SPLITS)
+    if (lo < hi) | (SPLITS == 1) | (not SKIP):  # an empty split ends here, writing nothing
+        _attend_new(y_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, bt_ptr, out_ptr,
+                    po_ptr, pl_ptr, eps, offset, qk_scale,
+                    s_yb, s_cb, s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, s_bt, s_ob, s_oh,
+                    s_pb, s_ph, s_ps, s_lb, s_lh, b, kvh, i_s, new, lo, hi,
+                    H, HKV, G, D, R, BD, BLOCK, BM, BN, SPLITS, F32_DOT, PDL)
+
+
+@triton.jit
+def _attend_new(
+    y_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, bt_ptr, out_ptr,
+    po_ptr, pl_ptr, eps, offset, qk_scale,
+    s_yb, s_cb, s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, s_bt, s_ob, s_oh,
+    s_pb, s_ph, s_ps, s_lb, s_lh, b, kvh, i_s, new, lo, hi,
+    H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+    BD: tl.constexpr, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    SPLITS: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr,
+):
+    """Split i_s's tiles [lo, hi) of lane b's KV head kvh, with the new position `new`."""
     dt = y_ptr.dtype.element_ty
-    # before the wait: the position (an input of the forward) and the first tile of this
-    # split's old positions (written by earlier forwards)
-    new = tl.load(pos_ptr + b * s_pb0).to(tl.int32)  # the position this forward adds
     seq_len = new + 1
-    n_tiles = tl.cdiv(seq_len, BN)
-    per_split = tl.cdiv(n_tiles, SPLITS)
-    lo = i_s * per_split
-    hi = tl.minimum(lo + per_split, n_tiles)
+    # before the wait: the first tile of this split's old positions (earlier forwards')
     offs_d = tl.arange(0, BD)
     m_d = offs_d < D
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
@@ -168,10 +185,11 @@ def decode_attention(y: Tensor, heads: int, kv_heads: int, head_dim: int, q_norm
         block_tables.stride(0), positions.stride(0), out.stride(0), out.stride(2),
         p_strides[0], p_strides[2], p_strides[3], l_strides[0], l_strides[2],
         H=heads, HKV=kv_heads, G=G, D=D, R=cos.shape[-1], BD=BD, BLOCK=k_cache.shape[1],
-        BM=BM, BN=BN, SPLITS=splits, F32_DOT=f32 or _interpreting(), num_warps=num_warps,
-        **pdl.launch(y))
+        BM=BM, BN=BN, SPLITS=splits, F32_DOT=f32 or _interpreting(),
+        SKIP=paged_attention.SKIP_EMPTY, num_warps=num_warps, **pdl.launch(y))
     if splits > 1:
-        merge_splits(out, part_o, part_l, p_strides, l_strides, splits)
+        merge_splits(out, part_o, part_l, p_strides, l_strides, splits, BN, positions[:, 0],
+                     add=1, early=True)
     return out
 
 

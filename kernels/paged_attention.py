@@ -4,8 +4,12 @@ Flash-decoding: each lane's KV length is cut into `num_splits` equal runs of til
 program per (lane, KV head, query-row block, split) computes an online softmax over its run
 (float32) for all the query heads sharing that KV head and all T positions, and a second
 kernel merges the splits by their log-sum-exp. The splits follow each lane's actual
-seq_len at run time, so the grid depends only on shapes (CUDA-graph friendly) and a short
-lane wastes nothing but empty programs.
+seq_len at run time, so the grid depends only on shapes (CUDA-graph friendly). A split
+with no tile of its lane's positions ends at once (`SKIP_EMPTY`), before its PDL wait, and
+writes nothing: the merge reads only the splits that worked, which it counts from the same
+seq_len. At batch 1 the grid has ~2 programs per SM so that a long context fills the GPU,
+and at a short one all but a few would otherwise wait, write an empty part, and have the
+merge read it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,10 @@ from torch import Tensor
 from . import pdl
 
 LOG2E = 1.4426950408889634
+# Splits with no tile to attend end before their wait and write nothing; the merge reads
+# only the splits that worked. False: every split waits and writes (an empty part, log-sum-
+# exp -inf), the benchmark's "before" (`ninfer.bench.gpu_engine`).
+SKIP_EMPTY = True
 
 
 def _interpreting() -> bool:
@@ -41,6 +49,25 @@ def kv_tile(k_ptr, v_ptr, bt_row, offs_n, m_n, offs_d, m_d, kvh, s_kn, s_kp, s_k
     v = tl.load(v_ptr + page[:, None] * s_vn + within[:, None] * s_vp + kvh * s_vh
                 + offs_d[None, :], mask=m, other=0.0)
     return k, v
+
+
+@triton.jit
+def split_range(seq_len, i_s, BN: tl.constexpr, SPLITS: tl.constexpr):
+    """The tiles [lo, hi) of BN positions that split i_s of a lane of seq_len attends: the
+    lane's tiles cut into SPLITS equal runs (the last ones may be empty)."""
+    n_tiles = tl.cdiv(seq_len, BN)
+    per_split = tl.cdiv(n_tiles, SPLITS)
+    lo = i_s * per_split
+    return lo, tl.minimum(lo + per_split, n_tiles)
+
+
+@triton.jit
+def worked_splits(seq_len, BN: tl.constexpr, SPLITS: tl.constexpr):
+    """How many of the SPLITS splits of a lane of seq_len have a tile (`split_range`):
+    the first ones, all the others empty."""
+    n_tiles = tl.cdiv(seq_len, BN)
+    per_split = tl.cdiv(n_tiles, SPLITS)
+    return tl.where(per_split > 0, tl.cdiv(n_tiles, tl.maximum(per_split, 1)), 0)
 
 
 @triton.jit
@@ -73,14 +100,29 @@ def _paged_attn_split_kernel(
     s_ob, s_ot, s_oh, s_pb, s_pt, s_ph, s_ps, s_lb, s_lt, s_lh,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
     BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr,
-    CAUSAL: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr,
+    CAUSAL: tl.constexpr, F32_DOT: tl.constexpr, SKIP: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.launch_dependents(PDL)
-    pdl.wait(PDL)
+    pdl.wait(PDL)  # (the lengths are this forward's: a kernel may have written them)
     i_bh, i_m, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, kvh = i_bh // HKV, i_bh % HKV
     seq_len = tl.load(len_ptr + b).to(tl.int32)
+    lo, hi = split_range(seq_len, i_s, BN, SPLITS)
+    if (lo < hi) | (SPLITS == 1) | (not SKIP):  # (an empty split writes nothing)
+        _attend_split(q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, po_ptr, pl_ptr, T, qk_scale,
+                      s_qb, s_qt, s_qh, s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, s_bt,
+                      s_ob, s_ot, s_oh, s_pb, s_pt, s_ph, s_ps, s_lb, s_lt, s_lh,
+                      b, kvh, i_m, i_s, seq_len, lo, hi, G, D, BD, BLOCK, BM, BN, SPLITS,
+                      CAUSAL, F32_DOT)
 
+
+@triton.jit
+def _attend_split(q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, po_ptr, pl_ptr, T, qk_scale,
+                  s_qb, s_qt, s_qh, s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, s_bt,
+                  s_ob, s_ot, s_oh, s_pb, s_pt, s_ph, s_ps, s_lb, s_lt, s_lh,
+                  b, kvh, i_m, i_s, seq_len, lo, hi, G: tl.constexpr, D: tl.constexpr,
+                  BD: tl.constexpr, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  SPLITS: tl.constexpr, CAUSAL: tl.constexpr, F32_DOT: tl.constexpr):
     # query rows: row r is position t = r // G of query head kvh * G + r % G
     rows = i_m * BM + tl.arange(0, BM)
     t_of = rows // G
@@ -95,11 +137,6 @@ def _paged_attn_split_kernel(
     else:
         last = seq_len - 1 + t_of * 0
     last = tl.where(m_row, last, -1)
-
-    n_tiles = tl.cdiv(seq_len, BN)
-    per_split = tl.cdiv(n_tiles, SPLITS)
-    lo = i_s * per_split
-    hi = tl.minimum(lo + per_split, n_tiles)
 
     # a finite floor, not -inf: a row with nothing visible yet keeps alpha = exp2(0) = 1
     m_i = tl.full([BM], -1.0e30, dtype=tl.float32)
@@ -128,18 +165,24 @@ def _paged_attn_split_kernel(
 
 @triton.jit
 def _paged_attn_merge_kernel(
-    out_ptr, po_ptr, pl_ptr, T,
+    out_ptr, po_ptr, pl_ptr, len_ptr, T, s_len, len_add,
     s_ob, s_ot, s_oh, s_pb, s_pt, s_ph, s_ps, s_lb, s_lt, s_lh,
     D: tl.constexpr, BDM: tl.constexpr, SPLITS: tl.constexpr, BS: tl.constexpr,
-    PDL: tl.constexpr,
+    BN: tl.constexpr, SKIP: tl.constexpr, EARLY_LEN: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.launch_dependents(PDL)
-    pdl.wait(PDL)
     i_bt, h, i_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, t = i_bt // T, i_bt % T
     offs_s = tl.arange(0, BS)
     offs_d = i_d * BDM + tl.arange(0, BDM)
     m_s, m_d = offs_s < SPLITS, offs_d < D
+    if EARLY_LEN:  # the host's input (a decode step's positions): before the wait
+        seq_len = tl.load(len_ptr + b * s_len).to(tl.int32) + len_add
+    pdl.wait(PDL)
+    if SKIP:  # only the splits that worked wrote their parts
+        if not EARLY_LEN:
+            seq_len = tl.load(len_ptr + b * s_len).to(tl.int32) + len_add
+        m_s = m_s & (offs_s < worked_splits(seq_len, BN, SPLITS))
     lse = tl.load(pl_ptr + b * s_lb + t * s_lt + h * s_lh + offs_s, mask=m_s,
                   other=float("-inf"))  # lse: [BS], log2 units
     top = tl.max(lse, axis=0)
@@ -219,26 +262,31 @@ def paged_attention_decode(
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         *out.stride()[:3], *p_strides, *l_strides,
         HKV=Hkv, G=G, D=D, BD=BD, BLOCK=block_size, BM=BM, BN=BN, SPLITS=splits,
-        CAUSAL=causal_tail, F32_DOT=f32 or _interpreting(),
+        CAUSAL=causal_tail, F32_DOT=f32 or _interpreting(), SKIP=SKIP_EMPTY,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch(q),
     )
     if splits > 1:
-        merge_splits(out, part_o, part_l, p_strides, l_strides, splits)
+        merge_splits(out, part_o, part_l, p_strides, l_strides, splits, BN, seq_lens)
     return out
 
 
 def merge_splits(out: Tensor, part_o: Tensor, part_l: Tensor, p_strides, l_strides,
-                 splits: int) -> None:
+                 splits: int, BN: int, lengths: Tensor, add: int = 0,
+                 early: bool = False) -> None:
     """out [B, T, Hq, D] from the splits' parts: part_o [B, T, Hq, splits, D] (each split's
     output, normalised by its own sum) and part_l [B, T, Hq, splits] (their log-sum-exp in
-    log2 units), weighted by exp2(lse - max); p_strides / l_strides: their first 4 / 3."""
+    log2 units), weighted by exp2(lse - max); p_strides / l_strides: their first 4 / 3.
+    Lane b's seq_len is lengths[b] (+ add; a 1-D view of any stride): only its first
+    `worked_splits` of tiles of BN wrote parts. `early`: the lengths were written before
+    this forward's chain began (the host's positions), so they are read before the wait."""
     B, T, Hq, D = out.shape
     BS = triton.next_power_of_2(splits)
     BDM = max(16, min(triton.next_power_of_2(D), 8192 // BS))  # [BS, BDM] fp32: <= 64 regs
     _paged_attn_merge_kernel[(B * T, Hq, triton.cdiv(D, BDM))](
-        out, part_o, part_l, T,
+        out, part_o, part_l, lengths, T, lengths.stride(0), add,
         *out.stride()[:3], *p_strides, *l_strides,
-        D=D, BDM=BDM, SPLITS=splits, BS=BS, num_warps=4, **pdl.launch(out),
+        D=D, BDM=BDM, SPLITS=splits, BS=BS, BN=BN, SKIP=SKIP_EMPTY, EARLY_LEN=early,
+        num_warps=4, **pdl.launch(out),
     )
 
 

@@ -368,6 +368,35 @@ def test_paged_attention_wide_blocks_full_tail_and_padding_lane():
     torch.testing.assert_close(out, ref, **OUT_TOL[torch.float32])
 
 
+def test_the_merge_reads_only_the_splits_that_worked():
+    """Empty splits end without writing (`SKIP_EMPTY`), so their parts hold whatever the
+    memory held: the merge must weigh only a lane's first `worked_splits`. Here the rest
+    is NaN, so reading one of them would poison the output."""
+    from kernels.paged_attention import merge_splits
+    B, T, Hq, D, splits, BN = 3, 2, 2, 32, 8, 16
+    lens = torch.tensor([40, 1, 0])  # 3, 1 and 0 tiles of 16: 3, 1 and 0 splits worked
+    g = _gen(21)
+    part_o = torch.randn(B, T, Hq, splits, D, generator=g)
+    part_l = torch.randn(B, T, Hq, splits, generator=g) * 4
+    worked = torch.tensor([3, 1, 0])
+    for b, n in enumerate(worked.tolist()):
+        part_o[b, :, :, n:] = float("nan")
+        part_l[b, :, :, n:] = float("nan")
+    want = torch.zeros(B, T, Hq, D)
+    for b, n in enumerate(worked.tolist()):
+        if n:
+            w = torch.softmax(part_l[b, :, :, :n] * torch.log(torch.tensor(2.0)), dim=-1)
+            want[b] = (w[..., None] * part_o[b, :, :, :n]).sum(-2)
+    part_o, part_l, out = part_o.to(DEV), part_l.to(DEV), torch.empty(B, T, Hq, D, device=DEV)
+    merge_splits(out, part_o, part_l, part_o.stride()[:4], part_l.stride()[:3], splits, BN,
+                 lens.to(DEV))
+    torch.testing.assert_close(out.cpu(), want, **OUT_TOL[torch.float32])
+    # the same lengths given as the new positions (the decode attention's: + 1, read early)
+    merge_splits(out, part_o, part_l, part_o.stride()[:4], part_l.stride()[:3], splits, BN,
+                 (lens - 1).to(DEV), add=1, early=True)
+    torch.testing.assert_close(out.cpu(), want, **OUT_TOL[torch.float32])
+
+
 # --- real shapes, on the GPU --------------------------------------------------------------
 
 @gpu_only
