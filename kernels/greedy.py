@@ -144,7 +144,7 @@ def decode_start(ids: Tensor, positions: Tensor, keys: Tensor, embedding: Tensor
     turn [2] int64; inputs [N] int64), zero-copy staging: the staged inputs are read from
     the host's ring, not from ids and positions (which must be views of inputs: ids its
     first B, positions its next B), and copied into inputs for the kernels after this one,
-    which start only once it has finished (a barrier launched without PDL follows it).
+    which start only once it has finished (`kernels.pdl.fence`).
     The row read is turn[0] % RING where its first word (the turn the host staged it for)
     is turn[0], else the last row (neutral: padding lanes only); turn[1] gets turn[0], or
     -2 where the neutral row was read (`publish_keys` hands it to the host, which checks it
@@ -175,17 +175,10 @@ def decode_start(ids: Tensor, positions: Tensor, keys: Tensor, embedding: Tensor
                                BR=triton.next_power_of_2(R), BN=1024 if ids.is_cuda else 64,
                                FETCH=fetch is not None, **pdl.launch(embedding))
     if fetch is not None:  # the kernels after this read the staged inputs before their
-        # PDL wait (a GDN step its slots, the attention its block table); launched without
-        # PDL, the barrier starts once this kernel has finished, and they after it
-        _barrier_kernel[(1,)](inputs)
+        # PDL wait (a GDN step its slots, the attention its block table): none may start
+        # before this one has finished (kept by the next launch: `kernels.pdl`)
+        pdl.fence(embedding)
     return h, cos, sin
-
-
-@triton.jit
-def _barrier_kernel(x_ptr):
-    """Nothing: launched without PDL, a point in the chain that every kernel launched after
-    it starts behind."""
-    pass
 
 
 def _power_of_two(n: int) -> bool:

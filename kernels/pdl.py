@@ -18,12 +18,22 @@ which start only once everything before them has finished (`early_state` of
 
 `launch(x)` gives the launch keywords for a kernel over tensor x: `PDL` (the kernel's
 constexpr: whether to emit the two instructions) and, where it applies, `launch_pdl`.
-NINFER_PDL=0 turns it off (the benchmark's "before")."""
+NINFER_PDL=0 turns it off (the benchmark's "before").
+
+A fence (`fence(x)`): a kernel that writes what later kernels read before their wait (a
+zero-copy decode step's first kernel, which fetches the staged inputs) asks that nothing
+after it start before it has finished. The next PDL kernel launched keeps that: one that
+takes a `FENCE` constexpr (`launch(x, fenced=True)`: the skinny GEMMs) reads nothing
+before its wait but its weights and lets its dependents start only after its wait, so its
+own weights still load while the fencing kernel runs; any other is preceded by a kernel
+launched without PDL (a barrier), which starts only once everything before it has
+finished."""
 
 from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import torch
 import triton
@@ -41,9 +51,38 @@ def enabled(x: torch.Tensor) -> bool:
             and _supported(x.device.index or 0))
 
 
-def launch(x: torch.Tensor) -> dict:
-    """The launch keywords for a PDL-aware kernel over x (see the module docstring)."""
-    return {"PDL": True, "launch_pdl": True} if enabled(x) else {"PDL": False}
+_fence = threading.local()  # .pending: a fence not yet kept by a launch (this thread's)
+# False: a fence is kept by a barrier whatever the next kernel (the benchmark's "before",
+# `ninfer.bench.gpu_engine`)
+FENCE_IN_KERNEL = True
+
+
+def fence(x: torch.Tensor) -> None:
+    """Nothing launched after this point may start before the kernel just launched over x
+    has finished: kept by the next `launch` (see the module docstring). Without PDL every
+    kernel starts after the one before it has finished: nothing to keep."""
+    if enabled(x):
+        _fence.pending = True
+
+
+def launch(x: torch.Tensor, fenced: bool = False) -> dict:
+    """The launch keywords for a PDL-aware kernel over x (see the module docstring);
+    `fenced`: the kernel takes a FENCE constexpr, and is given one."""
+    if not enabled(x):
+        return {"PDL": False, **({"FENCE": False} if fenced else {})}
+    pending = getattr(_fence, "pending", False)
+    _fence.pending = False
+    if pending and not (fenced and FENCE_IN_KERNEL):
+        _barrier_kernel[(1,)](x)  # launched without PDL
+        pending = False
+    return {"PDL": True, "launch_pdl": True, **({"FENCE": pending} if fenced else {})}
+
+
+@triton.jit
+def _barrier_kernel(x_ptr):
+    """Nothing: launched without PDL, a point in the chain that every kernel launched after
+    it starts behind."""
+    pass
 
 
 @triton.jit
@@ -56,7 +95,8 @@ def wait(PDL: tl.constexpr):
 
 @triton.jit
 def launch_dependents(PDL: tl.constexpr):
-    """Let the next kernel start its programs (they still `wait` for this one)."""
+    """Let the next kernel start its programs (they still `wait` for this one). A fenced
+    kernel calls it after its `wait`."""
     if PDL:
         tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
                                   dtype=tl.int32, is_pure=False, pack=1)

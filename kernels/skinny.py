@@ -195,9 +195,11 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
                    BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
                    DOT: tl.constexpr, IEEE: tl.constexpr, SINGLE: tl.constexpr,
                    CONV: tl.constexpr, KC: tl.constexpr, KP: tl.constexpr,
-                   ARGMAX: tl.constexpr, EARLY_CONV: tl.constexpr, PDL: tl.constexpr):
+                   ARGMAX: tl.constexpr, EARLY_CONV: tl.constexpr, FENCE: tl.constexpr,
+                   PDL: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    pdl.launch_dependents(PDL)
+    if not FENCE:  # (fenced: the kernels after this start once it has waited, `kernels.pdl`)
+        pdl.launch_dependents(PDL)
     dt = y_ptr.dtype.element_ty
     rows = tl.arange(0, BM)
     rm = rows < M
@@ -211,14 +213,17 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
         if GLU:  # the up row n sits N rows below the gate row n
             wu1 = tl.load(w_ptrs + N * s_w, mask=nm[:, None] & km1[None, :], other=0.0)
         nw1 = _norm_weights(nw_ptr, ks1, km1, PROLOGUE, HEAD)  # weights too: before the wait
-    if CONV and EARLY_CONV:  # a decode step's slot pool: written only by earlier forwards
+    if CONV and EARLY_CONV and not FENCE:  # a decode step's slot pool: written only by
+        # earlier forwards (fenced: the kernel before may have just fetched the slots)
         old, after, wc, live, out = _conv_tails(conv_ptr, slot_ptr, dest_ptr, cw_ptr, rows, rm,
                                                 ns, nm, C, s_cn, s_cc, s_cwc, s_cwk, KC, KP)
     pdl.wait(PDL)  # from here on: reads of what earlier kernels wrote, and every write
+    if FENCE:
+        pdl.launch_dependents(PDL)
     ym = rm[:, None] & nm[None, :]
     if RESIDUAL and SPLIT == 1:  # issued now, its round trip overlaps the GEMM's
         r = tl.load(r_ptr + rows[:, None] * s_r + ns[None, :], mask=ym, other=0.0)
-    if CONV and not EARLY_CONV:
+    if CONV and (FENCE or not EARLY_CONV):
         old, after, wc, live, out = _conv_tails(conv_ptr, slot_ptr, dest_ptr, cw_ptr, rows, rm,
                                                 ns, nm, C, s_cn, s_cc, s_cwc, s_cwk, KC, KP)
     per = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK  # this program's share of K
@@ -369,7 +374,8 @@ def _launch(x: Tensor, w: Tensor, *, prologue: int = NONE, norm_weight: Tensor |
         SINGLE=t.split == 1 and t.bk >= K, CONV=conv is not None,
         KC=cw.shape[1] if conv is not None else 2,
         KP=triton.next_power_of_2(cw.shape[1]) if conv is not None else 2,
-        ARGMAX=argmax is not None, EARLY_CONV=EARLY_CONV, num_warps=t.warps, **pdl.launch(x))
+        ARGMAX=argmax is not None, EARLY_CONV=EARLY_CONV, num_warps=t.warps,
+        **pdl.launch(x, fenced=True))
     y = y.view(*x.shape[:-1], N)
     return (y, xn.view(x.shape)) if normed else y
 
@@ -408,8 +414,9 @@ def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, w: Tensor, *, glu: b
     continuing from the tail in pool[slots[r]] ([slots, C, K-1]), which is updated in place
     (a negative slot: zeros, not written), as `kernels.conv1d.causal_conv1d_update`;
     `conv=(pool, slots, weight, dests)` writes the new tails to pool[dests[r]] instead.
-    The pool and the slots are read before the PDL wait (`EARLY_CONV`): nothing launched
-    in the same forward may write them (a decode step's slot pool).
+    The pool and the slots are read before the PDL wait (`EARLY_CONV`; after it in the
+    kernel that keeps a fence, `kernels.pdl`): nothing launched in the same forward may
+    write them (a decode step's slot pool).
     `argmax`: int64 [rows], each row's greedy key over y (`kernels.greedy`) folded in by
     atomic max (reset it to KEY_NONE first; the LM head's greedy token on the device)."""
     return _launch(x, w, prologue=RMS, norm_weight=norm_weight, eps=eps, offset=offset,

@@ -13,10 +13,12 @@ transformers + fla on the same weights, each measured in the run that reports it
   "before" of that; and decode at batch 1 under each value of a setting, the graphs
   captured afresh for each, in turn three times (runs drift by ~2% over a minute): the
   median of each and their ratio. The settings: zero-copy staging (`ninfer.model.graphs`),
-  the conv tails read before or after the PDL wait (`kernels.skinny.EARLY_CONV`), and the
-  attention's tile for wide heads at 64 and 4K tokens of context
-  (`kernels.decode_attention.WIDE_TILE`). `main(path, only="row,row")` runs only those
-  rows (a short device call).
+  the conv tails read before or after the PDL wait (`kernels.skinny.EARLY_CONV`), the
+  zero-copy step's fence kept by its first GEMM or by a barrier
+  (`kernels.pdl.FENCE_IN_KERNEL`), the attention's empty splits ending before their wait
+  or not at 64 and 1K tokens of context (`kernels.paged_attention.SKIP_EMPTY`), and the
+  attention's tile for wide heads at 64 and 4K (`kernels.decode_attention.WIDE_TILE`).
+  `main(path, only="row,row")` runs only those rows (a short device call).
 - baseline: transformers' Qwen3NextForCausalLM on the same files, with fla's kernels when
   transformers binds them (reported), `generate` greedy at batch 1 and 8, and a 4K prefill.
 """
@@ -188,10 +190,15 @@ def main(json_path: str | None = None, only: str | None = None) -> int:
         {"copies": {"zero_copy": False}, "zero_copy": {"zero_copy": True}},
         lambda settings: _recaptured(b, warm(lambda: b.decode(1, tokens=DECODE_TOKENS)),
                                      **settings))))
-    from kernels import decode_attention, skinny
+    from kernels import decode_attention, paged_attention, pdl, skinny
     for row, module, name, variants, context in (
             ("early_conv_b1", skinny, "EARLY_CONV", {"after_wait": False, "before_wait": True},
              64),
+            ("fence_b1", pdl, "FENCE_IN_KERNEL", {"barrier": False, "in_kernel": True}, 64),
+            ("skip_empty_b1", paged_attention, "SKIP_EMPTY",
+             {"every_split": False, "skip_empty": True}, 64),
+            ("skip_empty_b1_1k", paged_attention, "SKIP_EMPTY",
+             {"every_split": False, "skip_empty": True}, 1024),
             ("attention_tile_b1", decode_attention, "WIDE_TILE", {"32": 32, "16": 16}, 64),
             ("attention_tile_b1_4k", decode_attention, "WIDE_TILE", {"32": 32, "16": 16},
              4096)):

@@ -113,7 +113,7 @@ def _patch(seen: dict, ptx: list | None = None) -> None:
         for name, value in list(vars(module).items()):
             if isinstance(value, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
                 setattr(module, name, _Compiling(value, seen, ptx))
-    pdl.launch = lambda x: {"PDL": True}
+    pdl.launch = lambda x, fenced=False: {"PDL": True, **({"FENCE": False} if fenced else {})}
     gpu = torch.device("cuda")
     tiles = skinny.tiles_for
     skinny.tiles_for = lambda M, N, K, glu, device: tiles(M, N, K, glu, gpu)
@@ -239,23 +239,36 @@ def loads_before_wait(ptx: str) -> int:
     return ptx.split("griddepcontrol.wait")[0].count("ld.global")
 
 
-def in_projection_early_loads() -> dict[str, int]:
-    """A GDN in-projection of one row, with and without the conv epilogue, compiled for
-    sm_90: the global loads each issues before its PDL wait. The conv's (the lane's slot,
-    its tail, the conv weights) belong there: they overlap the kernel before. Patches the
-    kernel modules as `compile_all` does: call it in a process of its own."""
+def dependents_before_wait(ptx: str) -> bool:
+    """Whether a kernel's PTX lets its dependents launch before its PDL wait."""
+    return "griddepcontrol.launch_dependents" in ptx.split("griddepcontrol.wait")[0]
+
+
+def in_projection_early_loads() -> dict[str, int | bool]:
+    """A GDN in-projection of one row, with and without the conv epilogue, and with it in
+    the kernel that keeps a fence (`kernels.pdl`), compiled for sm_90: the global loads
+    each issues before its PDL wait, and whether it lets its dependents launch before the
+    wait. The conv's loads (the lane's slot, its tail, the conv weights) belong there: they
+    overlap the kernel before; not in the fenced one, whose slots the kernel before may
+    have just written. Patches the kernel modules as `compile_all` does: call it in a
+    process of its own."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("run without TRITON_INTERPRET: the kernels must be compiled ones")
     ptx: list = []
     _patch({}, ptx)
-    from kernels import skinny
+    from kernels import pdl, skinny
     H, conv_dim, n = 1024, 4096, 6176
     x, nw, w = (torch.randn(*s).to(torch.bfloat16) for s in ((1, 1, H), (H,), (n, H)))
     pool, cw = (torch.randn(*s).to(torch.bfloat16) for s in ((4, conv_dim, 3), (conv_dim, 4)))
     skinny.norm_linear(x, nw, 1e-6, w)
     skinny.norm_linear(x, nw, 1e-6, w, conv=(pool, torch.tensor([1]), cw))
-    (_, plain), (_, conv) = ptx
-    return {"plain": loads_before_wait(plain), "conv": loads_before_wait(conv)}
+    pdl.launch = lambda x, fenced=False: {"PDL": True, **({"FENCE": True} if fenced else {})}
+    skinny.norm_linear(x, nw, 1e-6, w, conv=(pool, torch.tensor([1]), cw))
+    (_, plain), (_, conv), (_, fenced) = ptx
+    return {"plain": loads_before_wait(plain), "conv": loads_before_wait(conv),
+            "fenced": loads_before_wait(fenced),
+            "conv_dependents_early": dependents_before_wait(conv),
+            "fenced_dependents_early": dependents_before_wait(fenced)}
 
 
 def main() -> int:

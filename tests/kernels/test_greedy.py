@@ -127,11 +127,14 @@ def test_decode_start_fetches_its_turns_row_of_the_hosts_ring(lanes):
         greedy.publish_keys(keys, keys_ring[1:], turn)
 
 
-def test_the_kernels_after_a_fetching_decode_start_start_behind_a_barrier(monkeypatch):
+def test_the_kernels_after_a_fetching_decode_start_start_once_it_has_finished(monkeypatch):
     """The kernels of a step read the staged inputs before their PDL wait (a GDN step its
     slots, the attention its block table): with zero-copy staging decode_start writes
-    them, so it is followed by a kernel launched without PDL, which starts only once it
-    has finished. Without PDL (copies before the graph) no barrier is launched."""
+    them, so it fences (`kernels.pdl`). The next launch keeps the fence: a kernel that
+    takes FENCE (the skinny GEMMs: dependents launched after its wait) is given it, any
+    other is preceded by a barrier launched without PDL. Once kept, a fence is gone; and
+    without PDL (copies before the graph) there is none."""
+    from kernels import pdl
     launched = []
 
     class Recorder:
@@ -142,8 +145,8 @@ def test_the_kernels_after_a_fetching_decode_start_start_behind_a_barrier(monkey
             return lambda *args, **kw: launched.append((self.name, kw.get("launch_pdl", False)))
 
     monkeypatch.setattr(greedy, "_decode_start_kernel", Recorder("start"))
-    monkeypatch.setattr(greedy, "_barrier_kernel", Recorder("barrier"))
-    monkeypatch.setattr(greedy.pdl, "launch", lambda x: {"PDL": True, "launch_pdl": True})
+    monkeypatch.setattr(pdl, "_barrier_kernel", Recorder("barrier"))
+    monkeypatch.setattr(pdl, "enabled", lambda x: True)
     lanes, N = 2, 8 + 2 * 4
     inputs = torch.zeros(N, dtype=torch.int64)
     ring = torch.zeros(5, 1 + N, dtype=torch.int64)
@@ -152,6 +155,18 @@ def test_the_kernels_after_a_fetching_decode_start_start_behind_a_barrier(monkey
             torch.ones(4, dtype=torch.float32))
     greedy.decode_start(*args)
     assert launched == [("start", True)]
+    assert pdl.launch(inputs, fenced=True) == {"PDL": True, "launch_pdl": True, "FENCE": False}
+    fetch = (ring, torch.zeros(2, dtype=torch.int64), inputs)
+    for fenced, want in ((True, []), (False, [("barrier", False)])):
+        launched.clear()
+        greedy.decode_start(*args, fetch=fetch)
+        assert launched == [("start", True)]
+        keywords = pdl.launch(inputs, fenced=fenced)
+        assert launched[1:] == want and keywords["launch_pdl"]
+        assert keywords.get("FENCE", False) == fenced
+        assert pdl.launch(inputs) == {"PDL": True, "launch_pdl": True}  # kept: gone
+        assert launched[1:] == want
+    monkeypatch.setattr(pdl, "enabled", lambda x: False)
     launched.clear()
-    greedy.decode_start(*args, fetch=(ring, torch.zeros(2, dtype=torch.int64), inputs))
-    assert launched == [("start", True), ("barrier", False)]
+    greedy.decode_start(*args, fetch=fetch)
+    assert pdl.launch(inputs) == {"PDL": False} and launched == [("start", False)]

@@ -51,9 +51,13 @@ def test_the_in_projection_loads_its_conv_tails_before_its_pdl_wait():
     """The conv epilogue's reads of the slot pool (the slot, the tail, the weights) are
     issued before the wait, so their dependent round trips overlap the kernel before
     (`kernels.skinny.EARLY_CONV`): the in-projection with the conv issues more loads there
-    than without it."""
+    than without it. Not where the kernel keeps a fence (`kernels.pdl`)."""
     run = _compiled(["-c", "import json; from ninfer.testing.sm90 import "
                      "in_projection_early_loads as f; print(json.dumps(f()))"])
     counts = json.loads(run.stdout.strip().splitlines()[-1])
     assert counts["plain"] > 0, counts  # the weights: loaded before the wait as ever
     assert counts["conv"] > counts["plain"], counts
+    # the kernel that keeps a fence (the first after a fetching decode_start): its weights
+    # before the wait, the conv's reads after it, and its dependents launched after it
+    assert counts["fenced"] == counts["plain"], counts
+    assert counts["conv_dependents_early"] and not counts["fenced_dependents_early"], counts
