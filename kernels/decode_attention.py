@@ -39,10 +39,6 @@ from .paged_attention import (
     split_range,
 )
 
-# An empty split (`paged_attention.SKIP_EMPTY`) ends at once (False), or after its PDL
-# wait (True), so that the merge and the kernels after it launch as they did when every
-# split worked; the benchmark times the two (`ninfer.bench.gpu_engine`)
-EMPTY_WAIT = False
 # KV positions per tile (and so per split's first load, held in registers before the PDL
 # wait) where the heads are wider than 128 or the dtype is float32; narrower bf16 heads
 # take 64. The benchmark times 16 against it (`ninfer.bench.gpu_engine`).
@@ -57,8 +53,7 @@ def _decode_attention_kernel(
     s_pb, s_ph, s_ps, s_lb, s_lh,
     H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
     BD: tl.constexpr, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    SPLITS: tl.constexpr, F32_DOT: tl.constexpr, SKIP: tl.constexpr,
-    EMPTY_WAIT: tl.constexpr, PDL: tl.constexpr,
+    SPLITS: tl.constexpr, F32_DOT: tl.constexpr, SKIP: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.launch_dependents(PDL)
     i_bh, i_s = tl.program_id(0), tl.program_id(1)
@@ -72,8 +67,6 @@ def _decode_attention_kernel(
                     s_yb, s_cb, s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, s_bt, s_ob, s_oh,
                     s_pb, s_ph, s_ps, s_lb, s_lh, b, kvh, i_s, new, lo, hi,
                     H, HKV, G, D, R, BD, BLOCK, BM, BN, SPLITS, F32_DOT, PDL)
-    elif EMPTY_WAIT:
-        pdl.wait(PDL)
 
 
 @triton.jit
@@ -193,8 +186,7 @@ def decode_attention(y: Tensor, heads: int, kv_heads: int, head_dim: int, q_norm
         p_strides[0], p_strides[2], p_strides[3], l_strides[0], l_strides[2],
         H=heads, HKV=kv_heads, G=G, D=D, R=cos.shape[-1], BD=BD, BLOCK=k_cache.shape[1],
         BM=BM, BN=BN, SPLITS=splits, F32_DOT=f32 or _interpreting(),
-        SKIP=paged_attention.SKIP_EMPTY, EMPTY_WAIT=EMPTY_WAIT, num_warps=num_warps,
-        **pdl.launch(y))
+        SKIP=paged_attention.SKIP_EMPTY, num_warps=num_warps, **pdl.launch(y))
     if splits > 1:
         merge_splits(out, part_o, part_l, p_strides, l_strides, splits, BN, positions[:, 0],
                      add=1, early=True)

@@ -15,9 +15,8 @@ transformers + fla on the same weights, each measured in the run that reports it
   median of each and their ratio. The settings: zero-copy staging (`ninfer.model.graphs`),
   the conv tails read before or after the PDL wait (`kernels.skinny.EARLY_CONV`), the
   zero-copy step's fence kept by its first GEMM or by a barrier
-  (`kernels.pdl.FENCE_IN_KERNEL`), the attention's empty splits skipped or not
-  (`kernels.paged_attention.SKIP_EMPTY`) and, skipped, ending at once or after their wait
-  (`kernels.decode_attention.EMPTY_WAIT`), both at 64 and 1K tokens of context, and the
+  (`kernels.pdl.FENCE_IN_KERNEL`), the attention's empty splits skipped or not at 64 and
+  1K tokens of context (`kernels.paged_attention.SKIP_EMPTY`), and the
   attention's tile for wide heads at 64 and 4K (`kernels.decode_attention.WIDE_TILE`).
   `main(path, only="row,row")` runs only those rows (a short device call).
 - baseline: transformers' Qwen3NextForCausalLM on the same files, with fla's kernels when
@@ -200,10 +199,6 @@ def main(json_path: str | None = None, only: str | None = None) -> int:
              {"every_split": False, "skip_empty": True}, 64),
             ("skip_empty_b1_1k", paged_attention, "SKIP_EMPTY",
              {"every_split": False, "skip_empty": True}, 1024),
-            ("empty_wait_b1", decode_attention, "EMPTY_WAIT",
-             {"at_once": False, "after_wait": True}, 64),
-            ("empty_wait_b1_1k", decode_attention, "EMPTY_WAIT",
-             {"at_once": False, "after_wait": True}, 1024),
             ("attention_tile_b1", decode_attention, "WIDE_TILE", {"32": 32, "16": 16}, 64),
             ("attention_tile_b1_4k", decode_attention, "WIDE_TILE", {"32": 32, "16": 16},
              4096)):
