@@ -11,9 +11,10 @@ The rule every kernel launched this way keeps: nothing read that an earlier kern
 and nothing written at all, before `wait` (a buffer written here may be one the previous
 kernel still reads: graph pools reuse memory). Waiting covers every earlier kernel, not only
 the last: the last one waited for its own predecessor before it could finish. One exception: what
-only earlier forwards or the host write (a decode step's GDN slot pools) may be read
-before `wait`, because a forward begins with kernels launched without PDL (the embedding),
-which start only once everything before them has finished (`early_state` of
+only earlier forwards or the host write (a decode step's GDN slot pools, its positions and
+block tables) may be read before `wait`, because a forward's chain starts only once
+everything before it has finished (a graph's first kernel, or one after the host's copies),
+and what its first kernel writes for them is fenced (below; `early_state` of
 `kernels.gdn_decode`).
 
 `launch(x)` gives the launch keywords for a kernel over tensor x: `PDL` (the kernel's

@@ -25,7 +25,8 @@ launched here (`_launch` counts them): a row staged for another launch is not us
 ring's neutral last row is: padding lanes only) and reading that step's tokens raises
 (`OutOfStep`; the turn is then set back to the host's, so the next step runs). (A
 benchmark that replays the graph itself turns it off.) The kernels of the step read the
-staged inputs before their PDL wait, so the first kernel is followed by a barrier.
+staged inputs before their PDL wait, so the first kernel fences them (`kernels.pdl.fence`:
+the GEMM after it lets nothing start before it has finished).
 
 Running ahead. Between two decode steps the host has work of its own (reading the greedy
 tokens, the engine's bookkeeping, the journal): with one replay at a time the GPU idles

@@ -352,10 +352,10 @@ def test_paged_attention_wide_blocks_full_tail_and_padding_lane():
     B, T, Hq, Hkv, D, bs = 3, 3, 4, 1, 64, 32
     q, k_cache, v_cache, tables, lens = _paged_inputs(
         11, B, T, Hq, Hkv, D, bs, [50, 0, 100], torch.float32, num_blocks=16)
-    for causal in (True, False):
+    for causal, splits in ((True, 2), (False, 2), (True, 1)):  # (one split: no merge)
         ref = paged_attention_reference(q, k_cache, v_cache, tables, lens, causal_tail=causal)
         out = paged_attention_decode(q, k_cache, v_cache, tables, lens, causal_tail=causal,
-                                     num_splits=2, BN=32)
+                                     num_splits=splits, BN=32)
         torch.testing.assert_close(out, ref, **OUT_TOL[torch.float32])
         assert torch.equal(out[1], torch.zeros_like(out[1]))  # seq_len 0: a padding lane
         live = lens > 0
