@@ -116,6 +116,11 @@ def _gdn_decode_kernel(
         tl.store(p_s + (dest - slot) * s_sn, S, mask=live)
 
 
+# (BV, num_warps) for calls that give neither; None: the rules of `_default_bv` and the
+# launch (the engine bench's `gdn_tile_b1` row times alternatives, `ninfer.bench.gpu_engine`)
+TILE: tuple[int, int] | None = None
+
+
 def _default_bv(lanes_heads: int, Dv: int) -> int:
     # 32 at every batch: in anchor-1b's batch-1 decode graph on the H200, 64 programs of
     # BV 32 beat 128 of BV 16 (569 against 580 us a replay) and 256 of BV 8 (590 us)
@@ -194,6 +199,8 @@ def fused_recurrent_gated_delta_rule(
         a_strides = out_states.stride()[:4]
     else:
         a_strides = (0, 0, 0, 0)
+    if BV is None and num_warps is None and TILE is not None:
+        BV, num_warps = TILE
     BV = BV or _default_bv(B * Hv, Dv)
     # sm_90 at Dk 128: BV 16 / 4 warps takes 96 registers, BV 32 / 4 warps 167, BV 64 needs 8
     num_warps = num_warps or (8 if BV >= 64 else 4)

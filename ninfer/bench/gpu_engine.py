@@ -16,8 +16,9 @@ transformers + fla on the same weights, each measured in the run that reports it
   the conv tails read before or after the PDL wait (`kernels.skinny.EARLY_CONV`), the
   zero-copy step's fence kept by its first GEMM or by a barrier
   (`kernels.pdl.FENCE_IN_KERNEL`), the attention's empty splits skipped or not at 64 and
-  1K tokens of context (`kernels.paged_attention.SKIP_EMPTY`), and the
-  attention's tile for wide heads at 64 and 4K (`kernels.decode_attention.WIDE_TILE`).
+  1K tokens of context (`kernels.paged_attention.SKIP_EMPTY`), the attention's tile for
+  wide heads at 64 and 4K (`kernels.decode_attention.WIDE_TILE`), and the GDN step's value
+  tile and warps (`kernels.gdn_decode.TILE`).
   `main(path, only="row,row")` runs only those rows (a short device call).
 - baseline: transformers' Qwen3NextForCausalLM on the same files, with fla's kernels when
   transformers binds them (reported), `generate` greedy at batch 1 and 8, and a 4K prefill.
@@ -190,7 +191,7 @@ def main(json_path: str | None = None, only: str | None = None) -> int:
         {"copies": {"zero_copy": False}, "zero_copy": {"zero_copy": True}},
         lambda settings: _recaptured(b, warm(lambda: b.decode(1, tokens=DECODE_TOKENS)),
                                      **settings))))
-    from kernels import decode_attention, paged_attention, pdl, skinny
+    from kernels import decode_attention, gdn_decode, paged_attention, pdl, skinny
     for row, module, name, variants, context in (
             ("early_conv_b1", skinny, "EARLY_CONV", {"after_wait": False, "before_wait": True},
              64),
@@ -201,7 +202,10 @@ def main(json_path: str | None = None, only: str | None = None) -> int:
              {"every_split": False, "skip_empty": True}, 1024),
             ("attention_tile_b1", decode_attention, "WIDE_TILE", {"32": 32, "16": 16}, 64),
             ("attention_tile_b1_4k", decode_attention, "WIDE_TILE", {"32": 32, "16": 16},
-             4096)):
+             4096),
+            ("gdn_tile_b1", gdn_decode, "TILE",
+             {"bv32_4warps": None, "bv16_1warp": (16, 1), "bv8_1warp": (8, 1),
+              "bv32_1warp": (32, 1)}, 64)):
         steps.append((row, lambda module=module, name=name, variants=variants,
                       context=context: _in_turn(
             {label: {"value": value} for label, value in variants.items()},

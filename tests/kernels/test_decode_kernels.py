@@ -112,6 +112,38 @@ def test_gdn_step_to_destination_slots_leaves_its_inputs():
                                          out_indices=dests[:1])
 
 
+def test_gdn_tile_setting_cuts_calls_that_name_no_tile(monkeypatch):
+    """`kernels.gdn_decode.TILE` (the engine bench's `gdn_tile_b1` row) sets the value tile
+    of a call that gives neither BV nor warps, and the result is the same."""
+    from kernels import gdn_decode
+    grids = []
+
+    class Recording:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return self.kernel[grid]
+
+    monkeypatch.setattr(gdn_decode, "_gdn_decode_kernel",
+                        Recording(gdn_decode._gdn_decode_kernel))
+    B, T, Hk, Hv, Dk, Dv = 1, 1, 2, 4, 16, 32
+    q, k, v, g, beta = _gdn_inputs(20, B, T, Hk, Hv, Dk, Dv, torch.float32)
+    pool, _ = _slot_pool(21, 2, (Hv, Dk, Dv))
+    idx = torch.tensor([1], device=DEV)
+    o_ref, s_ref = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=pool[idx])
+    for tile, tiles_along_dv in ((None, 1), ((8, 1), 4)):
+        monkeypatch.setattr(gdn_decode, "TILE", tile)
+        state = pool.clone()
+        o = fused_recurrent_gated_delta_rule(q, k, v, g, beta, state, state_indices=idx)
+        assert grids[-1] == (tiles_along_dv, B * Hv)
+        torch.testing.assert_close(o, o_ref, **OUT_TOL[torch.float32])
+        torch.testing.assert_close(state[idx], s_ref, **STATE_TOL)
+    fused_recurrent_gated_delta_rule(q, k, v, g, beta, pool.clone(), state_indices=idx, BV=16)
+    assert grids[-1] == (2, B * Hv)  # a tile named in the call wins over the setting
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gdn_all_states_per_position(dtype):
     B, T, Hk, Hv, Dk, Dv = 2, 4, 1, 2, 16, 32
