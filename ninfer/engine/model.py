@@ -34,7 +34,8 @@ class Forward:
     # greedy next token after each position; a prefill (`forward` without per_position)
     # may make only its last position's, the others None
     greedy: list[int | None]
-    hidden: list[Any]          # main hidden state at each position
+    hidden: Sequence[Any]      # main hidden state at each position (a list, or a tensor
+    #                            whose rows are the positions')
     states: list[Any]          # recurrent state after each position (kept for rollback)
     # [n, V] when the model has logits (SimModel has none); [1, V], the last position's,
     # where greedy holds only the last

@@ -273,9 +273,10 @@ class TorchModel:
                                     [lane.attn_blocks for lane in lanes], length=max(starts) + n)
                 out = self.net.forward(ids, positions, state, all_states=keep, last_logits=last)
             greedy = out.logits.argmax(-1).tolist()  # [B][T], or [B][1] for the last only
-            for row, m in enumerate(members):
+            for row, m in enumerate(members):  # hidden: the row's [T, hidden], not a list
+                # of T views (a 2K-token prefill spent ~4 ms of host time making them)
                 results[m] = Forward([None] * (n - 1) + greedy[row] if last else greedy[row],
-                                     list(out.hidden[row]), _States(out, row, n, keep),
+                                     out.hidden[row], _States(out, row, n, keep),
                                      out.logits[row])
         return results
 
@@ -327,7 +328,7 @@ class TorchModel:
         return MtpOut(int(logits.argmax()), out.hidden[0, 0], logits)
 
     @torch.inference_mode()
-    def mtp_span(self, lane: Lane, start: int, hidden: list, next_tokens: list) -> MtpOut:
+    def mtp_span(self, lane: Lane, start: int, hidden: Sequence, next_tokens: list) -> MtpOut:
         """One MTP forward over entries start..start+n-1 (a catch-up); logits only for the
         last entry, the one a draft is taken from."""
         if len(hidden) == 1 and self.mtp_graphs is not None and self.mtp_graphs.fits(lane):
@@ -337,7 +338,8 @@ class TorchModel:
         positions = torch.arange(start, start + n, device=self.device)[None]  # [1, n]
         ids = torch.tensor([next_tokens], device=self.device)
         kv = PagedKV(self.mtp_k, self.mtp_v, self.block_size, [lane.mtp_blocks], start + n)
-        h = torch.stack(hidden)[None]  # [1, n, D]
+        # [1, n, D]: the rows of a forward's hidden tensor, or a list of positions' rows
+        h = (hidden if isinstance(hidden, Tensor) else torch.stack(list(hidden)))[None]
         y = net.mtp(h, net.model.embed_tokens(ids), positions, net.rope(positions, self.dtype),
                     kv)
         logits = net.lm_logits(y[0, -1])

@@ -57,8 +57,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="KV positions the block pool holds, shared by lanes and endpoints")
     p.add_argument("--max-concurrency", type=_concurrency, default=2,
                    help="requests prefilling or decoding at once (1-8)")
-    p.add_argument("--prefill-chunk", type=_positive, default=512,
-                   help="prompt tokens per prefill step (a cancel lands between chunks)")
+    p.add_argument("--prefill-chunk", type=_positive, default=None,
+                   help="prompt tokens per prefill step (a cancel lands between chunks, a "
+                        "cut prefill resumes from the last one); default 512 on the CPU, "
+                        "2048 on a GPU, where a forward's host time does not grow with its "
+                        "length (a 4K prompt prefilled at 21K tok/s in 512-token chunks, "
+                        "82K in 2048-token ones on an H100)")
     p.add_argument("--spec", choices=["none", "mtp", "ngram"], default="none",
                    help="speculative decoding: the model's MTP head, n-gram lookup, or none")
     p.add_argument("--draft-tokens", type=_positive, default=3,
@@ -125,6 +129,15 @@ class Loaded:
     model_name: str
 
 
+def default_prefill_chunk(device: str) -> int:
+    """Prompt tokens per prefill step when --prefill-chunk is not given: 2048 on a GPU
+    (each forward costs ~25 ms of host time whatever its length, so small chunks leave the
+    GPU idle), 512 elsewhere (a CPU forward's time grows with its tokens: smaller chunks
+    let a cancel land sooner)."""
+    import torch
+    return 2048 if torch.device(device).type == "cuda" else 512
+
+
 def load(args: argparse.Namespace) -> Loaded:
     """Model, journal, engine (recovered) and its running thread."""
     import torch
@@ -142,7 +155,8 @@ def load(args: argparse.Namespace) -> Loaded:
                     "of 4 positions costs ~4 plain steps and rounds do not run ahead, so it "
                     "decodes slower than plain there (bench/results/engine-h200.json); "
                     "--spec none is the fast path", args.spec, args.device)
-    config = EngineConfig(max_concurrency=args.max_concurrency, prefill_chunk=args.prefill_chunk,
+    config = EngineConfig(max_concurrency=args.max_concurrency,
+                          prefill_chunk=args.prefill_chunk or default_prefill_chunk(args.device),
                           spec=args.spec, draft_tokens=args.draft_tokens,
                           max_endpoints=args.max_endpoints,
                           max_context=min(args.max_context, args.kv_capacity),
