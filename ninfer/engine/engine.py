@@ -33,7 +33,10 @@ from .speculative import AdaptiveDraft, truncate
 
 log = logging.getLogger("ninfer.engine")
 
-MTP_BATCH = 16  # most committed positions the MTP layer may lag while drafting pauses
+# most committed positions the MTP layer may lag while drafting pauses: more than a pause
+# lasts (AdaptiveDraft's 32 rounds), so it catches up once, for the probe that ends it (on a
+# GPU an eager MTP forward costs ~2-3 ms of host time whatever its length)
+MTP_BATCH = 64
 
 
 @dataclass(frozen=True)
@@ -472,7 +475,7 @@ class Engine:
         mtp_upto = frontier + max(k, 1) if self.runner.mtp else 0
         if not self._reserve(live, frontier + k + 1, mtp_upto):
             return
-        if self.mode.spec == "none" and room > 1 and isinstance(live.choice, GreedyChoice) \
+        if self._plain_next(live, k) and room > 1 and isinstance(live.choice, GreedyChoice) \
                 and getattr(self.runner.model, "runs_ahead", False):
             try:  # the next position's block too, for the step the model runs ahead
                 self.runner.reserve(lane, frontier + 2)
@@ -488,6 +491,11 @@ class Engine:
             return
         live.round = (frontier, room, drafts, probs)
 
+    def _plain_next(self, live: Live, drafts: int) -> bool:
+        """Whether this round (with `drafts` drafts) and the lane's next feed one token
+        each: no speculation, or drafting paused past the next round."""
+        return self.mode.spec == "none" or (drafts == 0 and not live.drafting.drafts_next())
+
     def _verify_rounds(self, lives: list[Live]) -> None:
         """One batched verify forward for every lane with a drafted round, then each
         lane's acceptance and commit. A lane whose parts are broken fails alone."""
@@ -495,9 +503,11 @@ class Engine:
         items = [(x.lane, [x.request.sequence[-1], *x.round[2]], x.round[0]) for x in lives]
         # plain greedy decode: every lane that goes on feeds its greedy token next, so the
         # model may run that step ahead; not when a lane makes its last token (a step run
-        # ahead then is wasted, and whatever is queued after it waits for it)
+        # ahead then is wasted, and whatever is queued after it waits for it). With
+        # drafting paused, a round without drafts whose next round drafts none is a plain step
         greedy = all(isinstance(x.choice, GreedyChoice) for x in lives)
-        ahead = self.mode.spec == "none" and greedy and all(x.round[1] > 1 for x in lives)
+        ahead = greedy and all(x.round[1] > 1 and self._plain_next(x, len(x.round[2]))
+                               for x in lives)
         logits = not greedy or any(x.request.params.logprobs > 0 for x in lives)
         try:
             outs = self.runner.forward_many(items, ahead=ahead, logits=logits)

@@ -66,6 +66,11 @@ class AdaptiveDraft:
             return 1 if self.paused == 0 else 0
         return max(1, min(self.max_tokens, round(self.max_tokens * min(1.0, self.rate * 1.5))))
 
+    def drafts_next(self) -> bool:
+        """Whether the next `next_k` drafts (a round without drafts changes nothing that
+        decides it: `observe` ignores it)."""
+        return self.max_tokens > 0 and self.paused <= 1
+
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
             return

@@ -100,3 +100,43 @@ def test_greedy_decode_without_logprobs_leaves_the_logits_out_and_only_that():
         assert len(h.outputs("r")) == 5
         asked = h.engine.runner.model.asked
         assert asked and set(asked) == {wanted}, (params, asked)
+
+
+class RoundsSim(AheadSim):
+    """Its MTP head drafts the token after the right one (always rejected); records every
+    verify forward's tokens per lane and whether the engine let the model run the next
+    step ahead."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.rounds: list[tuple[int, bool]] = []  # (tokens fed, ahead) per verify forward
+
+    def forward_batch(self, items, per_position=True, ahead=False, outputs=True):
+        if items and per_position:
+            self.rounds.append((len(items[0][1]), ahead))
+        return [self.forward(lane, tokens, start) for lane, tokens, start in items]
+
+    def mtp(self, lane, position, hidden, next_token):
+        out = super().mtp(lane, position, hidden, next_token)
+        return out._replace(token=(out.token + 1) % self.vocab_size)
+
+
+def test_with_drafting_paused_a_plain_round_runs_the_next_ahead():
+    # the simulated MTP head's drafts are rejected, so drafting pauses: a round without
+    # drafts whose next round drafts none is a plain greedy step, and runs the next ahead;
+    # one before a probe (a round with a draft) or a lane's last token does not
+    h = Harness(EngineConfig(max_concurrency=1, spec="mtp", draft_tokens=3), num_blocks=96,
+                block_size=4, model_factory=lambda nb, bs, ns: RoundsSim(
+                    num_blocks=nb, block_size=bs, num_slots=ns, seed=0))
+    rid = h.submit(tuple(range(1, 8)), "s", max_tokens=60)
+    h.run()
+    h.check()  # the same tokens as a plain greedy run (the harness's oracle)
+    assert len(h.outputs(rid)) == 60
+    rounds = h.engine.runner.model.rounds
+    assert any(fed > 1 for fed, _ in rounds)  # it drafted, then paused
+    aheads = [i for i, (_, ahead) in enumerate(rounds) if ahead]
+    assert len(aheads) > 20
+    for i in aheads:  # only plain rounds followed by plain rounds
+        assert rounds[i][0] == 1 and i + 1 < len(rounds) and rounds[i + 1][0] == 1, rounds
+    probes = [i for i, (fed, _) in enumerate(rounds) if fed > 1 and i > 0]
+    assert probes and all(not rounds[i - 1][1] for i in probes)
