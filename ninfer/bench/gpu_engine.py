@@ -18,7 +18,9 @@ transformers + fla on the same weights, each measured in the run that reports it
   (`kernels.pdl.FENCE_IN_KERNEL`), the attention's empty splits skipped or not at 64 and
   1K tokens of context (`kernels.paged_attention.SKIP_EMPTY`), the attention's tile for
   wide heads at 64 and 4K (`kernels.decode_attention.WIDE_TILE`), and the GDN step's value
-  tile and warps (`kernels.gdn_decode.TILE`).
+  tile and warps (`kernels.gdn_decode.TILE`). `skinny_rows`: a verify of 4 positions,
+  batch-4 decode and MTP with drafts forced right, with GEMMs of up to 4 rows through
+  cuBLAS or the skinny kernels (`kernels.SKINNY_ROWS`), in turn.
   `main(path, only="row,row")` runs only those rows (a short device call).
 - baseline: transformers' Qwen3NextForCausalLM on the same files, with fla's kernels when
   transformers binds them (reported), `generate` greedy at batch 1 and 8, and a 4K prefill.
@@ -140,6 +142,53 @@ def _switched(bench, run, module, name: str, value):
         setattr(module, name, before)
 
 
+def _skinny_rows(bench, rows: int, run):
+    """run() with `kernels.SKINNY_ROWS` = rows (GEMMs of up to that many rows through the
+    skinny kernels, their norms and residuals folded in), the decode and verify graphs
+    captured afresh for it, then captured again as they were."""
+    import kernels
+    m = bench.om.model
+    before = kernels.SKINNY_ROWS
+
+    def recapture() -> None:
+        if m.graphs is not None:
+            m.graphs.drop_ahead()
+            m.graphs.graphs = {}
+        if m.verify_graphs is not None:
+            m.verify_graphs.graphs = {}
+
+    kernels.SKINNY_ROWS = rows
+    recapture()
+    try:
+        return run()
+    finally:
+        kernels.SKINNY_ROWS = before
+        recapture()
+
+
+def skinny_rows_row(bench, rounds: int = 3) -> dict:
+    """A verify of 4 positions (and batch-4 decode, and MTP with drafts forced right)
+    with GEMMs of up to 4 rows through cuBLAS (SKINNY_ROWS 1, the default) or through the
+    skinny kernels (4), in turn: each figure's median and every run's."""
+    def figures() -> dict:
+        steps = model_steps(bench)
+        b4 = bench.decode(4, tokens=DECODE_TOKENS)
+        accept = bench.decode(1, tokens=DECODE_TOKENS, spec="mtp", drafts="accept")
+        return {"verify4_over_step": steps["verify4_over_step"],
+                "verify4_us": steps["verify4_us"], "decode_b4_tok_s": b4["tok_s"],
+                "mtp_accept_tok_s": accept["tok_s"],
+                "mtp_accept_tokens_per_verify": accept["tokens_per_verify"]}
+
+    runs: dict[str, list[dict]] = {"rows_1": [], "rows_4": []}
+    for rows in (1, 4):  # warm: the first call of a shape compiles and captures
+        _skinny_rows(bench, rows, figures)
+    for _ in range(rounds):
+        for name in runs:
+            runs[name].append(_skinny_rows(bench, int(name[-1]), figures))
+    return {name: {key: sorted(r[key] for r in rs)[rounds // 2] for key in rs[0]}
+            | {"runs": rs} for name, rs in runs.items()}
+
+
 def _in_turn(variants: dict[str, dict], run, rounds: int = 3) -> dict:
     """run(settings) for each variant in turn, `rounds` times: each variant's median tok/s
     and every run's, and the ratio of each median to the first variant's."""
@@ -213,6 +262,7 @@ def main(json_path: str | None = None, only: str | None = None) -> int:
                 1, tokens=DECODE_TOKENS, context=context)), module, name, **settings))))
     steps.append(("decode_b1_4k",
                   warm(lambda: b.decode(1, tokens=DECODE_TOKENS, context=4096))))
+    steps.append(("skinny_rows", lambda: skinny_rows_row(b)))
     for drafts in (None, "accept", "reject"):  # warm too: a verify graph per round length
         steps.append((f"mtp_{drafts or 'model'}", warm(
             lambda d=drafts: b.decode(1, tokens=DECODE_TOKENS, spec="mtp", drafts=d))))

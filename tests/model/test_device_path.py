@@ -63,6 +63,25 @@ def test_the_kernel_path_gives_the_torch_paths_tokens(spec, monkeypatch):
     assert all(isinstance(s, SlotGDNState) for s in state.gdn.values())
 
 
+def test_verify_rounds_through_the_skinny_kernels_give_the_torch_paths_tokens(monkeypatch):
+    # `kernels.SKINNY_ROWS` 4 (the GPU bench's `skinny_rows` row): a verify of 3 positions
+    # (and a prefill of up to 4) takes the folded path (norms and residuals inside the
+    # GEMMs) too
+    from kernels import skinny
+    _, want = _conversation("mtp")
+    monkeypatch.setattr(kernels, "INTERPRET_ON_CPU", True)
+    monkeypatch.setattr(kernels, "SKINNY_ROWS", 4)
+    rows, launch = [], skinny._launch
+
+    def counting(x, w, **kw):
+        rows.append(x.numel() // x.shape[-1])
+        return launch(x, w, **kw)
+    monkeypatch.setattr(skinny, "_launch", counting)
+    _, got = _conversation("mtp")
+    assert got == want
+    assert 3 in rows  # the verifies of 2 drafts (3 positions) went through them
+
+
 @pytest.mark.parametrize("slots", [[4, 1], [4]])  # one lane: the conv folds into the GEMM
 def test_a_one_token_step_updates_only_its_lanes_slots(on_cpu, slots):
     model = _model_with_random_states(1)
