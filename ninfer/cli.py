@@ -29,7 +29,9 @@ def _bench_journal(args: argparse.Namespace) -> int:
 
 def _bench_engine(args: argparse.Namespace) -> int:
     from .bench.engine import main as bench_engine
-    return bench_engine(model=args.model, device=args.device, dtype=args.dtype,
+    from .server.serve import default_dtype
+    return bench_engine(model=args.model, device=args.device,
+                        dtype=args.dtype or default_dtype(args.device),
                         json_path=args.json, quick=args.quick)
 
 
@@ -114,8 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--model", default=None,
                         help="model directory or .ninfer file (default: the embedded tiny model)")
     engine.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    engine.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"],
-                        help="compute dtype (default float32)")
+    engine.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float64"],
+                        help="compute dtype (default float32 on the CPU, bfloat16 on a GPU)")
     engine.add_argument("--quick", action="store_true",
                         help="short prompts only (a smoke run, not the reported figures)")
     engine.add_argument("--json", default=None, help="also write the results to this file")

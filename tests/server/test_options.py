@@ -2,7 +2,9 @@
 
 import argparse
 
-from ninfer.server.serve import add_serve_parser, default_prefill_chunk, load
+import torch
+
+from ninfer.server.serve import add_serve_parser, default_dtype, default_prefill_chunk, load
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -10,15 +12,22 @@ def _args(*argv: str) -> argparse.Namespace:
     return add_serve_parser(sub).parse_args(list(argv))
 
 
-def test_prefill_chunk_defaults_to_the_device_and_an_explicit_one_wins(tmp_path):
-    # a GPU forward's host time does not grow with its tokens: bigger chunks there
+def test_prefill_chunk_and_dtype_default_to_the_device_and_explicit_ones_win(tmp_path):
+    # a GPU forward's host time does not grow with its tokens: bigger chunks there; and its
+    # decode kernels are tuned for bf16
     assert default_prefill_chunk("cpu") == 512
     assert default_prefill_chunk("cuda") == default_prefill_chunk("cuda:1") == 2048
-    for argv, expected in (([], 512), (["--prefill-chunk", "48"], 48)):
-        args = _args("--journal", str(tmp_path / f"j{expected}.db"), "--torch-threads", "1",
+    assert default_dtype("cpu") == "float32"
+    assert default_dtype("cuda") == default_dtype("cuda:1") == "bfloat16"
+    for argv, chunk, dtype in (([], 512, torch.float32),
+                               (["--prefill-chunk", "48", "--dtype", "float64"], 48,
+                                torch.float64)):
+        args = _args("--journal", str(tmp_path / f"j{chunk}.db"), "--torch-threads", "1",
                      *argv)
         loaded = load(args)
         try:
-            assert loaded.thread.engine.config.prefill_chunk == expected
+            engine = loaded.thread.engine
+            assert engine.config.prefill_chunk == chunk
+            assert engine.model.dtype == dtype
         finally:
             loaded.thread.stop()
