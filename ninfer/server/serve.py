@@ -139,11 +139,15 @@ class Loaded:
     model_name: str
 
 
+def _on_gpu(device: str) -> bool:
+    import torch
+    return torch.device(device).type == "cuda"
+
+
 def default_dtype(device: str) -> str:
     """The model dtype when --dtype is not given: bfloat16 on a GPU (half the bytes a
     decode step reads, and what its kernels are tuned for), float32 elsewhere."""
-    import torch
-    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+    return "bfloat16" if _on_gpu(device) else "float32"
 
 
 def default_prefill_chunk(device: str) -> int:
@@ -151,8 +155,7 @@ def default_prefill_chunk(device: str) -> int:
     (each forward costs ~25 ms of host time whatever its length, so small chunks leave the
     GPU idle), 512 elsewhere (a CPU forward's time grows with its tokens: smaller chunks
     let a cancel land sooner)."""
-    import torch
-    return 2048 if torch.device(device).type == "cuda" else 512
+    return 2048 if _on_gpu(device) else 512
 
 
 def load(args: argparse.Namespace) -> Loaded:
