@@ -187,27 +187,10 @@ def _resident(programs: int, warps: int, kernel) -> bool:
 
 
 def _graph_us(fn, reps: int = 50) -> float:
-    """Microseconds a replay of fn() captured in a CUDA graph: the best of five runs."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / reps)
-    return best
+    """Microseconds a replay of fn() captured alone in a CUDA graph: the best of five runs
+    of `reps` replays."""
+    from .kernels import graph_ms
+    return graph_ms(fn, steps=1, replays=reps, runs=5) * 1000
 
 
 def main(json_path: str | None = None) -> int:
