@@ -327,6 +327,12 @@ def _workspace(device: torch.device, floats: int, counters: int) -> tuple[Tensor
     return ws, cnt
 
 
+def _exact_dots(x: Tensor) -> bool:
+    """Whether the dots of rows of x take exact float32 products: float32 inputs, or the
+    interpreter (whose bf16 dot reads raw bits); bf16 on the GPU uses the tensor cores."""
+    return x.dtype == torch.float32 or x.device.type != "cuda"
+
+
 def _launch(x: Tensor, w: Tensor, *, prologue: int = NONE, norm_weight: Tensor | None = None,
             eps: float = 0.0, offset: float = 1.0, z: Tensor | None = None, head: int = 1,
             glu: bool = False, residual: Tensor | None = None, normed: bool = False,
@@ -370,7 +376,7 @@ def _launch(x: Tensor, w: Tensor, *, prologue: int = NONE, norm_weight: Tensor |
         cw.stride(0), cw.stride(1),
         PROLOGUE=prologue, HEAD=head, GLU=glu, RESIDUAL=residual is not None, NORMED=normed,
         BM=BM, BN=t.bn, BK=t.bk, SPLIT=t.split, DOT=t.dot,
-        IEEE=x.dtype == torch.float32 or x.device.type != "cuda",
+        IEEE=_exact_dots(x),
         SINGLE=t.split == 1 and t.bk >= K, CONV=conv is not None,
         KC=cw.shape[1] if conv is not None else 2,
         KP=triton.next_power_of_2(cw.shape[1]) if conv is not None else 2,

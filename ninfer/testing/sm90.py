@@ -117,6 +117,7 @@ def _patch(seen: dict, ptx: list | None = None) -> None:
     gpu = torch.device("cuda")
     tiles = skinny.tiles_for
     skinny.tiles_for = lambda M, N, K, glu, device: tiles(M, N, K, glu, gpu)
+    skinny._exact_dots = lambda x: x.dtype == torch.float32  # bf16: the tensor cores
 
 
 def _launches() -> None:
@@ -152,6 +153,16 @@ def _launches() -> None:
                        conv=(pool, slots, r(conv_dim, 4)))
     skinny.norm_linear(x, nw, 1e-6, r(V, H), normed=True,
                        argmax=torch.zeros(1, dtype=torch.int64))
+    # and of 4 rows (a verify of 4 positions at SKINNY_ROWS 4: the tensor-core dots, down's
+    # K split over programs; the GPU bench's `skinny_rows` row)
+    x4 = r(1, 4, H)
+    skinny.norm_linear(x4, nw, 1e-6, r(2 * inter, H), glu=True)
+    skinny.linear(r(1, 4, inter), r(H, inter), residual=x4)
+    skinny.gated_norm_linear(r(1, 4, Hv, D), r(1, 4, Hv, D), r(D), 1e-6, r(H, Hv * D),
+                             residual=x4)
+    skinny.gate_linear(r(1, 4, Ha, Da), r(1, 4, Ha, Da), r(H, Ha * Da), residual=x4)
+    skinny.norm_linear(x4, nw, 1e-6, r(conv_dim + Hv * D + 2 * Hv, H))
+    skinny.norm_linear(x4, nw, 1e-6, r(V, H), normed=True)
     # elementwise
     fused.rms_norm(r(2, 8, H), nw, 1e-6, residual=r(2, 8, H))
     fused.gated_rms_norm(r(8, Hv, D), r(8, Hv, D), r(D), 1e-6)
