@@ -110,9 +110,9 @@ def _without_ahead(bench, run):
 
 
 def _recaptured(bench, run, **settings):
-    """run() with the decode graphs captured afresh under `settings` (DecodeGraphs'
-    attributes, such as zero_copy), then captured again as they were (run: a warm one,
-    its first call captures)."""
+    """run() with the decode and verify graphs captured afresh under `settings`
+    (DecodeGraphs' attributes, such as zero_copy), then captured again as they were (run: a
+    warm one, its first call captures)."""
     graphs = bench.om.model.graphs
     if graphs is None:
         return {"error": "no decode graphs"}
@@ -121,6 +121,8 @@ def _recaptured(bench, run, **settings):
     def recapture(values: dict) -> None:
         graphs.drop_ahead()
         graphs.graphs = {}
+        if bench.om.model.verify_graphs is not None:  # (a kernel setting may change them)
+            bench.om.model.verify_graphs.graphs = {}
         for k, v in values.items():
             setattr(graphs, k, v)
 
@@ -133,37 +135,14 @@ def _recaptured(bench, run, **settings):
 
 def _switched(bench, run, module, name: str, value):
     """run() with the kernels' setting `module.name` set to value (such as
-    `kernels.skinny.EARLY_CONV`), the decode graphs captured afresh for it."""
+    `kernels.skinny.EARLY_CONV`, or `kernels.SKINNY_ROWS`), the graphs captured afresh for
+    it."""
     before = getattr(module, name)
     setattr(module, name, value)
     try:
         return _recaptured(bench, run)
     finally:
         setattr(module, name, before)
-
-
-def _skinny_rows(bench, rows: int, run):
-    """run() with `kernels.SKINNY_ROWS` = rows (GEMMs of up to that many rows through the
-    skinny kernels, their norms and residuals folded in), the decode and verify graphs
-    captured afresh for it, then captured again as they were."""
-    import kernels
-    m = bench.om.model
-    before = kernels.SKINNY_ROWS
-
-    def recapture() -> None:
-        if m.graphs is not None:
-            m.graphs.drop_ahead()
-            m.graphs.graphs = {}
-        if m.verify_graphs is not None:
-            m.verify_graphs.graphs = {}
-
-    kernels.SKINNY_ROWS = rows
-    recapture()
-    try:
-        return run()
-    finally:
-        kernels.SKINNY_ROWS = before
-        recapture()
 
 
 def skinny_rows_row(bench, rounds: int = 3) -> dict:
@@ -179,12 +158,14 @@ def skinny_rows_row(bench, rounds: int = 3) -> dict:
                 "mtp_accept_tok_s": accept["tok_s"],
                 "mtp_accept_tokens_per_verify": accept["tokens_per_verify"]}
 
-    runs: dict[str, list[dict]] = {"rows_1": [], "rows_4": []}
-    for rows in (1, 4):  # warm: the first call of a shape compiles and captures
-        _skinny_rows(bench, rows, figures)
+    import kernels
+    variants = {"rows_1": 1, "rows_4": 4}
+    runs: dict[str, list[dict]] = {name: [] for name in variants}
+    for rows in variants.values():  # warm: the first call of a shape compiles and captures
+        _switched(bench, figures, kernels, "SKINNY_ROWS", rows)
     for _ in range(rounds):
-        for name in runs:
-            runs[name].append(_skinny_rows(bench, int(name[-1]), figures))
+        for name, rows in variants.items():
+            runs[name].append(_switched(bench, figures, kernels, "SKINNY_ROWS", rows))
     return {name: {key: sorted(r[key] for r in rs)[rounds // 2] for key in rs[0]}
             | {"runs": rs} for name, rs in runs.items()}
 

@@ -338,8 +338,7 @@ class TorchModel:
         positions = torch.arange(start, start + n, device=self.device)[None]  # [1, n]
         ids = torch.tensor([next_tokens], device=self.device)
         kv = PagedKV(self.mtp_k, self.mtp_v, self.block_size, [lane.mtp_blocks], start + n)
-        # [1, n, D]: the rows of a forward's hidden tensor, or a list of positions' rows
-        h = (hidden if isinstance(hidden, Tensor) else torch.stack(list(hidden)))[None]
+        h = torch.stack(list(hidden))[None]  # [1, n, D]
         y = net.mtp(h, net.model.embed_tokens(ids), positions, net.rope(positions, self.dtype),
                     kv)
         logits = net.lm_logits(y[0, -1])
