@@ -28,23 +28,10 @@ takes a `FENCE` constexpr (`launch(x, fenced=True)`: the skinny GEMMs) reads not
 before its wait but its weights and lets its dependents start only after its wait, so its
 own weights still load while the fencing kernel runs; any other is preceded by a kernel
 launched without PDL (a barrier), which starts only once everything before it has
-finished.
-
-Signals (`signalled()`, an experiment: `ninfer.bench.persistent`'s `chain_signals`): inside
-a graph capture in that context, a kernel that takes them (the skinny GEMMs) ends by
-counting itself done (a release after every thread's stores) in one of GROUPS counters of a
-fresh slice of an arena, program p in counter p % GROUPS, each counter on its own 128-byte
-line; and the next such kernel, when nothing was launched between the two, waits until
-each of those counters holds its programs' count for this replay instead of `wait`. Which
-replay it is, a program reads off its own kernel's counter (every slice starts at zero and
-each replay counts every program once, so they stay in step). What `wait` gives holds for
-it too: the kernel before waited for everything before it, and counted itself only at its
-end. An aten op that is not a view, run in between, breaks the pair (a dispatch mode
-watches), since its kernel would not be waited for."""
+finished."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import threading
@@ -79,86 +66,17 @@ def fence(x: torch.Tensor) -> None:
         _fence.pending = True
 
 
-class _Signals(threading.local):
-    arena: torch.Tensor | None = None   # int32 counts, zeros until a replay counts them
-    used = 0
-    last: tuple[torch.Tensor, int] | None = None  # the kernel just launched: its counts, n
-
-
-_signals = _Signals()
-
-
-class _Breaks(torch.utils._python_dispatch.TorchDispatchMode):
-    """An aten op run between two signalled kernels launches a kernel that the second
-    would not wait for: any op but a view or an allocation forgets the first."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not (func.is_view or func in _ALLOCATIONS):
-            _signals.last = None
-        return func(*args, **(kwargs or {}))
-
-
-_ALLOCATIONS = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
-                torch.ops.aten.empty_like.default)
-
-
-@contextlib.contextmanager
-def signalled(device: torch.device, capacity: int = 1 << 20):
-    """Kernels captured in a CUDA graph inside this context signal each other (the module
-    docstring). The arena is made here, outside the capture, and must outlive the graph:
-    it is returned."""
-    arena = torch.zeros(capacity, dtype=torch.int32, device=device)
-    _signals.arena, _signals.used, _signals.last = arena, 0, None
-    try:
-        with _Breaks():
-            yield arena
-    finally:
-        _signals.arena, _signals.last = None, None
-
-
-GROUPS, LINE = 32, 32  # counters a kernel, int32s apart
-
-
-def _no_signals(x: torch.Tensor) -> dict:
-    return {"sig_in": x, "n_sig_in": 1, "sig_out": x, "n_sig_out": 1, "SIG_IN": False,
-            "SIG_OUT": False}
-
-
-def _signal_keywords(x: torch.Tensor, programs: int) -> dict:
-    """SIG_IN / SIG_OUT and their counters for a kernel of `programs` that takes them."""
-    arena = _signals.arena
-    last, _signals.last = _signals.last, None
-    if arena is None or not torch.cuda.is_current_stream_capturing() \
-            or _signals.used + GROUPS * LINE > arena.numel():
-        return _no_signals(x)
-    out = arena[_signals.used:_signals.used + GROUPS * LINE]
-    _signals.used += GROUPS * LINE
-    _signals.last = (out, programs)
-    sig_in, n = last if last is not None else (out, 1)
-    return {"sig_in": sig_in, "n_sig_in": n, "sig_out": out, "n_sig_out": programs,
-            "SIG_IN": last is not None, "SIG_OUT": True}
-
-
-def launch(x: torch.Tensor, fenced: bool = False, programs: int | None = None) -> dict:
+def launch(x: torch.Tensor, fenced: bool = False) -> dict:
     """The launch keywords for a PDL-aware kernel over x (see the module docstring);
-    `fenced`: the kernel takes a FENCE constexpr, and is given one; `programs`: the
-    kernel takes signals (`signal_wait`, `signal_done`), and is launched with that many."""
-    signals = {}
-    if programs is not None:
-        signals = _signal_keywords(x, programs) if enabled(x) else _no_signals(x)
-    else:
-        _signals.last = None
+    `fenced`: the kernel takes a FENCE constexpr, and is given one."""
     if not enabled(x):
-        return {"PDL": False, **({"FENCE": False} if fenced else {}), **signals}
+        return {"PDL": False, **({"FENCE": False} if fenced else {})}
     pending = getattr(_fence, "pending", False)
     _fence.pending = False
     if pending and not (fenced and FENCE_IN_KERNEL):
         _barrier_kernel[(1,)](x)  # launched without PDL
         pending = False
-    if pending and signals.get("SIG_IN"):  # a fence is kept by the real wait
-        signals["SIG_IN"] = False
-    return {"PDL": True, "launch_pdl": True, **({"FENCE": pending} if fenced else {}),
-            **signals}
+    return {"PDL": True, "launch_pdl": True, **({"FENCE": pending} if fenced else {})}
 
 
 @triton.jit
@@ -183,43 +101,3 @@ def launch_dependents(PDL: tl.constexpr):
     if PDL:
         tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
                                   dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _in_group(n, g):
-    """How many of n programs count in counter g (program p in p % GROUPS)."""
-    return (n - g + 31) // 32
-
-
-@triton.jit
-def signal_replay(sig_out_ptr, n_out, pid, SIG_OUT: tl.constexpr):
-    """Which replay this is: how many times this kernel's programs counted themselves done
-    before (0 without signals). Read off this program's counter, to which this replay's
-    other programs may have added, but never all of its group."""
-    if SIG_OUT:
-        g = pid % 32
-        return tl.load(sig_out_ptr + g * 32, volatile=True) // _in_group(n_out, g)
-    else:
-        return 0
-
-
-@triton.jit
-def signal_wait(sig_in_ptr, n_in, replay):
-    """Until every program of the kernel before has counted itself done this replay, then
-    an acquire: their writes are visible from here on."""
-    g = tl.arange(0, 32)
-    need = (replay + 1) * _in_group(n_in, g)
-    ready = tl.min((tl.load(sig_in_ptr + g * 32, volatile=True) >= need).to(tl.int32), axis=0)
-    while ready == 0:
-        ready = tl.min((tl.load(sig_in_ptr + g * 32, volatile=True) >= need).to(tl.int32),
-                       axis=0)
-    tl.inline_asm_elementwise("fence.acq_rel.gpu; // $0", "=r", [], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def signal_done(sig_out_ptr, pid, SIG_OUT: tl.constexpr):
-    """Count this program done, after every thread's stores (a release)."""
-    if SIG_OUT:
-        tl.debug_barrier()
-        tl.atomic_add(sig_out_ptr + (pid % 32) * 32, 1, sem="release", scope="gpu")

@@ -189,18 +189,15 @@ def _conv_epilogue(y, old, after, wc, live, out, ns, ym, C, KC: tl.constexpr,
 def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cnt_ptr,
                    conv_ptr, slot_ptr, dest_ptr, cw_ptr, keys_ptr,
                    M, N, K, s_x, s_w, s_y, s_r, s_z, s_zh, s_xn, eps, offset,
-                   C, s_cn, s_cc, s_cwc, s_cwk, sig_in, n_sig_in, sig_out, n_sig_out,
+                   C, s_cn, s_cc, s_cwc, s_cwk,
                    PROLOGUE: tl.constexpr, HEAD: tl.constexpr, GLU: tl.constexpr,
                    RESIDUAL: tl.constexpr, NORMED: tl.constexpr, BM: tl.constexpr,
                    BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
                    DOT: tl.constexpr, IEEE: tl.constexpr, SINGLE: tl.constexpr,
                    CONV: tl.constexpr, KC: tl.constexpr, KP: tl.constexpr,
                    ARGMAX: tl.constexpr, EARLY_CONV: tl.constexpr, FENCE: tl.constexpr,
-                   SIG_IN: tl.constexpr, SIG_OUT: tl.constexpr,
                    PDL: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    pid = pid_k * tl.num_programs(0) + pid_n
-    replay = pdl.signal_replay(sig_out, n_sig_out, pid, SIG_OUT)
     if not FENCE:  # (fenced: the kernels after this start once it has waited, `kernels.pdl`)
         pdl.launch_dependents(PDL)
     dt = y_ptr.dtype.element_ty
@@ -220,10 +217,7 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
         # earlier forwards (fenced: the kernel before may have just fetched the slots)
         old, after, wc, live, out = _conv_tails(conv_ptr, slot_ptr, dest_ptr, cw_ptr, rows, rm,
                                                 ns, nm, C, s_cn, s_cc, s_cwc, s_cwk, KC, KP)
-    if SIG_IN:  # the kernel before counted itself done (`kernels.pdl`'s signals)
-        pdl.signal_wait(sig_in, n_sig_in, replay)
-    else:
-        pdl.wait(PDL)  # from here on: reads of what earlier kernels wrote, and every write
+    pdl.wait(PDL)  # from here on: reads of what earlier kernels wrote, and every write
     if FENCE:
         pdl.launch_dependents(PDL)
     ym = rm[:, None] & nm[None, :]
@@ -310,7 +304,6 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
         key = tl.where(ym, key_of(y.to(tl.float32), ns[None, :] + rows[:, None] * 0),
                        KEY_NONE_C)
         tl.atomic_max(keys_ptr + rows, tl.max(key, axis=1), mask=rm)
-    pdl.signal_done(sig_out, pid, SIG_OUT)
 
 
 _workspaces: dict[torch.device, tuple[Tensor, Tensor]] = {}
@@ -388,7 +381,7 @@ def _launch(x: Tensor, w: Tensor, *, prologue: int = NONE, norm_weight: Tensor |
         KC=cw.shape[1] if conv is not None else 2,
         KP=triton.next_power_of_2(cw.shape[1]) if conv is not None else 2,
         ARGMAX=argmax is not None, EARLY_CONV=EARLY_CONV, num_warps=t.warps,
-        **pdl.launch(x, fenced=True, programs=grid_n * t.split))
+        **pdl.launch(x, fenced=True))
     y = y.view(*x.shape[:-1], N)
     return (y, xn.view(x.shape)) if normed else y
 

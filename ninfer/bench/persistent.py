@@ -211,19 +211,6 @@ def main(json_path: str | None = None) -> int:
          "weight_bytes": weight_bytes, "copy_TBps": copy_tbps,
          "roofline_us": weight_bytes / (copy_tbps * 1e12) * 1e6,
          "chain_us": _graph_us(lambda: _chain(w, hc))}
-    from kernels import pdl
-    with pdl.signalled(device):  # the same chain, each GEMM waiting on the one before's
-        # counts rather than griddepcontrol.wait (`kernels.pdl`'s signals)
-        hs = h0.clone()
-        out = {}
-        r["chain_signals_us"] = _graph_us(lambda: out.update(h=_chain(w, hs)))
-    r["chain_signals_max_abs_error"] = (out["h"].float() - ref.float()).abs().max().item()
-    r["chain_repeat_us"] = _graph_us(lambda: _chain(w, hc))
-    print({k: r[k] for k in ("chain_us", "chain_signals_us", "chain_repeat_us",
-                             "chain_signals_max_abs_error")}, file=sys.stderr)
-    if "--signals-only" in sys.argv:
-        write_line({"bench": "gpu-persistent", "results": r}, json_path)
-        return 0
     r["barriers_us"] = {}
     r["persistent"] = []
     for programs, warps in ((128, 8), (256, 4)):

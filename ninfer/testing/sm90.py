@@ -113,9 +113,7 @@ def _patch(seen: dict, ptx: list | None = None) -> None:
         for name, value in list(vars(module).items()):
             if isinstance(value, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
                 setattr(module, name, _Compiling(value, seen, ptx))
-    pdl.launch = lambda x, fenced=False, programs=None: {
-        "PDL": True, **({"FENCE": False} if fenced else {}),
-        **(pdl._no_signals(x) if programs is not None else {})}
+    pdl.launch = lambda x, fenced=False: {"PDL": True, **({"FENCE": False} if fenced else {})}
     gpu = torch.device("cuda")
     tiles = skinny.tiles_for
     skinny.tiles_for = lambda M, N, K, glu, device: tiles(M, N, K, glu, gpu)
@@ -275,9 +273,7 @@ def in_projection_early_loads() -> dict[str, int | bool]:
     pool, cw = (torch.randn(*s).to(torch.bfloat16) for s in ((4, conv_dim, 3), (conv_dim, 4)))
     skinny.norm_linear(x, nw, 1e-6, w)
     skinny.norm_linear(x, nw, 1e-6, w, conv=(pool, torch.tensor([1]), cw))
-    pdl.launch = lambda x, fenced=False, programs=None: {
-        "PDL": True, **({"FENCE": True} if fenced else {}),
-        **(pdl._no_signals(x) if programs is not None else {})}
+    pdl.launch = lambda x, fenced=False: {"PDL": True, **({"FENCE": True} if fenced else {})}
     skinny.norm_linear(x, nw, 1e-6, w, conv=(pool, torch.tensor([1]), cw))
     (_, plain), (_, conv), (_, fenced) = ptx
     return {"plain": loads_before_wait(plain), "conv": loads_before_wait(conv),
