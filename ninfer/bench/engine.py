@@ -20,6 +20,7 @@ from tqdm import tqdm
 from ..engine.engine import Engine, EngineConfig, Submit, run_until_idle
 from ..engine.pools import BlockPool, SlotPool
 from ..engine.runner import Runner
+from ..engine.speculative import AdaptiveDraft
 from ..lifecycle.request import SamplingParams
 from ..model.runtime import open_model
 
@@ -72,21 +73,28 @@ class Bench:
         seconds, _ = self.ttft(engine, self.prompt(n), 1)
         return {"prefill_tok_s": n / seconds, "tokens": n}
 
-    def plain_answers(self, prompts, n: int) -> dict:
-        """Each prompt's first n greedy tokens as this engine decodes them without drafts:
-        what drafts forced right must be. (On a GPU an eager reference run need not agree
-        with the decode graphs at the random weights' near-ties: forced from it, most
-        drafts were rejected.)"""
-        engine = self.engine(max_concurrency=len(prompts))
+    def verify_answers(self, prompts, n: int) -> dict:
+        """Each prompt's first n greedy tokens as this engine's verify rounds compute them:
+        what drafts forced right must be. Under `--spec mtp` with every draft forced
+        wrong, each round of 3 drafts commits the token of its first position, which a
+        round whose drafts are right computes at the same position in another row of the
+        same verify. (A plain step computes with other kernels than a verify: on a GPU the
+        two need not agree at the random weights' near-ties, so drafts forced from a plain
+        decode were mostly rejected there, 1 of 9 on an H100.)"""
+        engine = self.engine(spec="mtp", max_concurrency=len(prompts), draft_tokens=3)
         ids = [self.submit(engine, p, n, f"a{i}") for i, p in enumerate(prompts)]
-        run_until_idle(engine)
+        restore = _force_drafts("reject", {}, every_round=True)
+        try:
+            run_until_idle(engine)
+        finally:
+            restore()
         return {p: tuple(engine.requests[r].outputs) for p, r in zip(prompts, ids, strict=True)}
 
     def decode(self, batch: int, tokens: int = 64, spec: str = "none", context: int = 64,
                drafts: str | None = None) -> dict:
         engine = self.engine(spec=spec, max_concurrency=batch, draft_tokens=3)
         prompts = [self.prompt(context) for _ in range(batch)]
-        answers = self.plain_answers(prompts, tokens + 4) if drafts == "accept" else {}
+        answers = self.verify_answers(prompts, tokens + 4) if drafts == "accept" else {}
         ids = [self.submit(engine, p, tokens, f"d{i}") for i, p in enumerate(prompts)]
         while any(not engine.requests.get(r) or not engine.requests[r].outputs for r in ids):
             engine.step()  # prefill everyone first: this figure is decode only
@@ -159,13 +167,18 @@ class Bench:
         return {"bytes_per_kv_token": per_kv + per_mtp, "bytes_per_checkpoint_state": slot}
 
 
-def _force_drafts(mode: str | None, answers: dict):
+def _force_drafts(mode: str | None, answers: dict, every_round: bool = False):
     """Replace the drafter by one that is always right ("accept", from each prompt's
     precomputed greedy continuation in `answers`) or always wrong ("reject"); returns the
-    function that puts the real one back."""
+    function that puts the real one back. `every_round`: drafting never pauses either
+    (each round drafts the most it may)."""
     if mode is None:
         return lambda: None
     real = Runner.draft
+    adaptive = AdaptiveDraft.next_k, AdaptiveDraft.drafts_next
+    if every_round:
+        AdaptiveDraft.next_k = lambda self: self.max_tokens
+        AdaptiveDraft.drafts_next = lambda self: self.max_tokens > 0
 
     def forced(self, lane, seq, frontier, k, choice):
         real(self, lane, seq, frontier, k, choice)  # the drafter's own work still runs
@@ -180,7 +193,11 @@ def _force_drafts(mode: str | None, answers: dict):
         return [], None
 
     Runner.draft = forced
-    return lambda: setattr(Runner, "draft", real)
+
+    def restore() -> None:
+        Runner.draft = real
+        AdaptiveDraft.next_k, AdaptiveDraft.drafts_next = adaptive
+    return restore
 
 
 def main(model: str | None = None, device: str = "cpu", dtype: str = "float32",
