@@ -1,7 +1,7 @@
 """CUDA graphs of a speculative round's forwards: the verify (T = 2 .. MAX_TOKENS tokens
 per lane, a round's last token and its drafts, the GDN state kept after every position) and
-the MTP head's step (one entry of one lane: a draft, or the catch-up of one committed
-position).
+the MTP head over a few entries of one lane (one: a draft; up to MAX_SPAN: the catch-up of
+a round's committed positions).
 
 Eager, a verify of 4 positions on anchor-1b is ~800 kernel launches: on the H200 machine
 42 ms of host time for 1.9 ms of GPU work (bench/NOTES.md), 70 plain decode steps, and an
@@ -11,9 +11,10 @@ GPU work alone.
 Verify graphs are captured per (lanes S, tokens T, block-table width W) on first use, S and
 W as the decode graphs (`ninfer.model.graphs`: a smaller batch is padded with lanes of slot
 -1, whose KV lands in the scratch block and whose outputs nobody reads); MTP graphs per
-width of the MTP layer's block table. Inputs reach a graph through one static int64 buffer
-(tokens, positions, state slots, block tables) filled by one host-to-device copy, and the
-MTP step's hidden state by a device copy into its static input. The forwards are the eager
+(entries T, width W of the MTP layer's block table). Inputs reach a graph through one
+static int64 buffer (tokens, positions, state slots, block tables) filled by one
+host-to-device copy, and the MTP entries' hidden states by a device copy into their static
+input. The forwards are the eager
 ones (`HybridModel.forward` with `all_states`, `HybridModel.mtp_forward`), so a replay
 computes what the eager call computes; a verify writes the lanes' KV at the verified
 positions and leaves the slot pools alone, as the eager verify does.
@@ -38,6 +39,7 @@ from .graphs import SIZES, WIDTHS, warm_and_capture
 from .hybrid import ForwardOutput, HybridState
 
 MAX_TOKENS = 8   # longest verify taken by a graph (drafts + 1)
+MAX_SPAN = 8     # longest MTP catch-up taken by a graph (a round's committed positions, + 1)
 
 
 @dataclass
@@ -117,53 +119,76 @@ class VerifyGraphs:
 @dataclass
 class _MtpCaptured:
     graph: torch.cuda.CUDAGraph
-    inputs: Tensor        # [2 + W] int64: the next token, the position, the block table
+    T: int
+    inputs: Tensor        # [2 * T + W] int64: the next tokens, the positions, the table
     staging: Tensor       # its pinned host twin
-    hidden: Tensor        # [1, 1, D] the static hidden-state input
-    logits: Tensor        # [V] and
-    out: Tensor           # [D]: the static outputs
+    hidden: Tensor        # [1, T, D] the static hidden-state input
+    logits: Tensor        # [V] (the last entry's) and
+    out: Tensor           # [D] (the last entry's): the static outputs
 
 
 class MtpGraphs:
-    """Replays of `net.mtp_forward` for one entry of one lane over `model`'s MTP KV."""
+    """Replays of the MTP head over T = 1 .. MAX_SPAN consecutive entries of one lane over
+    `model`'s MTP KV: one entry (a draft, `net.mtp_forward`), or the catch-up of a round's
+    committed positions (`TorchModel.mtp_span`'s forward: logits of the last entry only).
+    Eager, a catch-up of the 4 positions of a round whose 3 drafts were all accepted took
+    ~3 ms of host time on the H100, more than the round's verify."""
 
     def __init__(self, model, pool) -> None:
         self.model, self.pool = model, pool
-        self.graphs: dict[int, _MtpCaptured] = {}
+        self.graphs: dict[tuple[int, int], _MtpCaptured] = {}
 
     @staticmethod
-    def fits(lane) -> bool:
-        return len(lane.mtp_blocks) <= WIDTHS[-1]
+    def fits(lane, entries: int = 1) -> bool:
+        return len(lane.mtp_blocks) <= WIDTHS[-1] and 1 <= entries <= MAX_SPAN
 
     def run(self, lane, position: int, hidden: Tensor, next_token: int) -> MtpOut:
         """The MTP entry at `position` from the main hidden state there and the token after
         it: its greedy draft, output hidden state and logits (copies)."""
+        return self.span(lane, position, [hidden], [next_token])
+
+    def span(self, lane, start: int, hidden, next_tokens) -> MtpOut:
+        """Entries start .. start+T-1 from the main hidden states there (T of them) and the
+        tokens after each: the last entry's greedy draft, output hidden state and logits
+        (copies)."""
+        T = len(hidden)
         W = next(w for w in WIDTHS if w >= len(lane.mtp_blocks))
-        cap = self.graphs.get(W) or self._capture(W)
+        cap = self.graphs.get((T, W)) or self._capture(T, W)
         host = cap.staging.numpy()  # free: the last replay's caller read its draft
-        host[0], host[1] = next_token, position
-        host[2:] = self.model.scratch_block
-        host[2:2 + len(lane.mtp_blocks)] = lane.mtp_blocks
+        host[:T] = next_tokens
+        host[T:2 * T] = range(start, start + T)
+        host[2 * T:] = self.model.scratch_block
+        host[2 * T:2 * T + len(lane.mtp_blocks)] = lane.mtp_blocks
         cap.inputs.copy_(cap.staging, non_blocking=True)
-        cap.hidden.view(-1).copy_(hidden.reshape(-1))
+        if T == 1:
+            cap.hidden.view(-1).copy_(hidden[0].reshape(-1))
+        else:
+            torch.stack(list(hidden), out=cap.hidden[0])
         cap.graph.replay()
         logits = cap.logits.clone()
         return MtpOut(int(logits.argmax()), cap.out.clone(), logits)
 
-    def _capture(self, W: int) -> _MtpCaptured:
+    def _capture(self, T: int, W: int) -> _MtpCaptured:
         m, net = self.model, self.model.net
-        inputs = torch.zeros(2 + W, dtype=torch.long, device=m.device)
-        inputs[2:] = m.scratch_block
-        hidden = torch.zeros(1, 1, m.config.hidden_size, dtype=m.dtype, device=m.device)
+        inputs = torch.zeros(2 * T + W, dtype=torch.long, device=m.device)
+        inputs[2 * T:] = m.scratch_block
+        hidden = torch.zeros(1, T, m.config.hidden_size, dtype=m.dtype, device=m.device)
         from .torch_model import PagedKV
 
         def forward() -> tuple[Tensor, Tensor]:
-            kv = PagedKV(m.mtp_k, m.mtp_v, m.block_size, inputs[2:].view(1, W))
-            out = net.mtp_forward(hidden, inputs[:1].view(1, 1), inputs[1:2].view(1, 1), kv)
-            return out.logits[0, 0], out.hidden[0, 0]
+            kv = PagedKV(m.mtp_k, m.mtp_v, m.block_size, inputs[2 * T:].view(1, W))
+            ids, positions = inputs[:T].view(1, T), inputs[T:2 * T].view(1, T)
+            if T == 1:  # a draft: `mtp_forward`, as `TorchModel.mtp` runs it eagerly
+                out = net.mtp_forward(hidden, ids, positions, kv)
+                return out.logits[0, 0], out.hidden[0, 0]
+            # a catch-up: `TorchModel.mtp_span`'s forward
+            y = net.mtp(hidden, net.model.embed_tokens(ids), positions,
+                        net.rope(positions, m.dtype), kv)
+            return net.lm_logits(y[0, -1]), y[0, -1]
 
         graph, (logits, out) = warm_and_capture(forward, self.pool)
-        cap = _MtpCaptured(graph, inputs, torch.zeros_like(inputs, device="cpu").pin_memory(),
-                           hidden, logits, out)
-        self.graphs[W] = cap
+        cap = _MtpCaptured(graph, T, inputs,
+                           torch.zeros_like(inputs, device="cpu").pin_memory(), hidden,
+                           logits, out)
+        self.graphs[(T, W)] = cap
         return cap

@@ -334,6 +334,8 @@ class TorchModel:
         if len(hidden) == 1 and self.mtp_graphs is not None and self.mtp_graphs.fits(lane):
             return self.mtp(lane, start, hidden[0], next_tokens[0])  # one entry: a replay
         self._launched += 1
+        if self.mtp_graphs is not None and self.mtp_graphs.fits(lane, len(hidden)):
+            return self.mtp_graphs.span(lane, start, hidden, next_tokens)
         net, n = self.net, len(hidden)
         positions = torch.arange(start, start + n, device=self.device)[None]  # [1, n]
         ids = torch.tensor([next_tokens], device=self.device)

@@ -220,6 +220,24 @@ def test_verify_and_mtp_graphs_compute_the_eager_forwards():
     assert chained.token == again.token
     torch.testing.assert_close(chained.logits, again.logits, atol=1e-5, rtol=1e-5)
 
+    # a catch-up of 4 entries (a round whose 3 drafts were accepted; positions 3-6 of the
+    # lane's 8): one replay of a span graph, computing what the eager forward computes
+    hs, tokens = [hidden * (1 + i / 4) for i in range(4)], [42, 43, 44, 45]
+    for i in m.mtp_k:
+        m.mtp_k[i].copy_(before[i])
+    m.mtp_graphs = mtp_graphs
+    got = m.mtp_span(lane, 3, hs, tokens)
+    got_kv = {i: t.clone() for i, t in m.mtp_k.items()}
+    m.mtp_graphs = None
+    for i in m.mtp_k:
+        m.mtp_k[i].copy_(before[i])
+    want = m.mtp_span(lane, 3, hs, tokens)
+    assert any(T == 4 for T, _ in mtp_graphs.graphs) and got.token == want.token
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.hidden, want.hidden, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close({i: t[:scratch] for i, t in got_kv.items()},
+                               {i: t[:scratch] for i, t in m.mtp_k.items()}, atol=1e-5, rtol=1e-5)
+
 
 def test_a_step_without_outputs_copies_none_and_its_step_ahead_serves_only_its_like():
     """A greedy step that reads only the greedy tokens (`outputs=False`) gets no logits or
