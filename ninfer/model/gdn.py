@@ -175,6 +175,8 @@ class GatedDeltaNet(nn.Module):
         if isinstance(state, SlotGDNState):
             if dev is not None and T == 1 and not all_states:
                 return self._step_in_place(x, state, dev, norm, residual), state
+            if dev is not None and all_states:
+                return self._verify_off_pools(x, state, dev, norm, residual)
             state = state.gather()
         qkv, z, b, a = self._project(x, norm)
         weight = self.conv1d.weight.squeeze(1)
@@ -226,25 +228,42 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.to(wide).exp() * F.softplus(a.to(wide) + self.dt_bias.to(wide))
         return beta, g
 
-    def _steps_on_device(self, dev, conv_out: Tensor, b: Tensor, a: Tensor, state: GDNState,
-                         all_states: bool) -> tuple[Tensor, Tensor]:
+    def _steps_on_device(self, dev, conv_out: Tensor, b: Tensor, a: Tensor,
+                         state: GDNState | SlotGDNState, all_states: bool
+                         ) -> tuple[Tensor, Tensor]:
         """The rule token by token in the step kernel, which normalises q and k and makes
         beta and g from the raw projections itself, as in a decode step (one launch where
         torch takes ~20 a layer, and a verify's arithmetic is the decode step's):
         conv_out [B, conv_dim, T] -> o [B, T, Hv, Dv] and the state after every position
-        (`all_states`, a verify) or after the last (on a copy of the input's)."""
+        (`all_states`, a verify) or after the last (on a copy of the input's). A
+        `SlotGDNState` (with `all_states` only) is read at the lanes' slots."""
         B, _, T = conv_out.shape
         Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         qkv = conv_out.transpose(1, 2).contiguous()  # the kernel reads unit-stride heads
         q, k, v = qkv.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
         q, k, v = q.view(B, T, Hk, Dk), k.view(B, T, Hk, Dk), v.view(B, T, Hv, Dv)
         gates = (a, b, self.A_log, self.dt_bias)
+        if isinstance(state, SlotGDNState):
+            return dev.step(q, k, v, None, None, state.rec_pool, state_indices=state.slots,
+                            all_states=True, use_qk_l2norm=True, gates=gates)
         if all_states:
             return dev.step(q, k, v, None, None, state.recurrent, all_states=True,
                             use_qk_l2norm=True, gates=gates)
         recurrent = state.recurrent.clone()
         return dev.step(q, k, v, None, None, recurrent, use_qk_l2norm=True,
                         gates=gates), recurrent
+
+    def _verify_off_pools(self, x: Tensor, state: SlotGDNState, dev, norm: RMSNorm | None,
+                          residual: Tensor | None) -> tuple[Tensor, GDNState]:
+        """A verify's positions continuing from the lanes' slots, which the conv and step
+        kernels read in place (a gather of both pools was two copies a layer, ~10 us of a
+        4-position verify's ~60 on the H100), and the per-position states (`all_states`)."""
+        qkv, z, b, a = self._project(x, norm)
+        conv_out, conv_tail = dev.conv(qkv.transpose(1, 2), state.conv_pool,
+                                       self.conv1d.weight.squeeze(1), activation="silu",
+                                       state_indices=state.slots, all_states=True)
+        o, recurrent = self._steps_on_device(dev, conv_out, b, a, state, True)
+        return self._out(o, z, residual), GDNState(conv_tail, recurrent)
 
     def _step_in_place(self, x: Tensor, state: SlotGDNState, dev, norm: RMSNorm | None,
                        residual: Tensor | None) -> Tensor:
