@@ -19,8 +19,9 @@ transformers + fla on the same weights, each measured in the run that reports it
   1K tokens of context (`kernels.paged_attention.SKIP_EMPTY`), the attention's tile for
   wide heads at 64 and 4K (`kernels.decode_attention.WIDE_TILE`), and the GDN step's value
   tile and warps (`kernels.gdn_decode.TILE`). `skinny_rows`: a verify of 4 positions,
-  batch-4 decode and MTP with drafts forced right, with GEMMs of up to 4 rows through
-  cuBLAS or the skinny kernels (`kernels.SKINNY_ROWS`), in turn.
+  batch-4 / 8 decode and MTP with drafts forced right, with GEMMs of up to 4 rows through
+  cuBLAS or the skinny kernels (`kernels.SKINNY_ROWS`), in turn. `verify_in_place`: a
+  verify of 4 positions gathering the GDN slots first or reading them in place.
   `main(path, only="row,row")` runs only those rows (a short device call).
 - baseline: transformers' Qwen3NextForCausalLM on the same files, with fla's kernels when
   transformers binds them (reported), `generate` greedy at batch 1 and 8, and a 4K prefill.
@@ -121,7 +122,9 @@ def _recaptured(bench, run, **settings):
     def recapture(values: dict) -> None:
         graphs.drop_ahead()
         graphs.graphs = {}
-        if bench.om.model.verify_graphs is not None:  # (a kernel setting may change them)
+        if bench.om.model.verify_graphs is not None:  # (a kernel setting may change them;
+            # the MTP head's graphs stay: dropping every graph of the shared pool at once
+            # trips an assertion of torch's caching allocator at the next capture)
             bench.om.model.verify_graphs.graphs = {}
         for k, v in values.items():
             setattr(graphs, k, v)
@@ -146,16 +149,19 @@ def _switched(bench, run, module, name: str, value):
 
 
 def skinny_rows_row(bench, rounds: int = 3) -> dict:
-    """A verify of 4 positions (and batch-4 decode, and MTP with drafts forced right)
+    """A verify of 4 positions (and batch-4 / 8 decode, and MTP with drafts forced right)
     with GEMMs of up to 4 rows through cuBLAS (SKINNY_ROWS 1, the default) or through the
-    skinny kernels (4), in turn: each figure's median and every run's."""
-    def figures() -> dict:
+    skinny kernels (4), in turn: each figure's median and every run's. (The MTP head's
+    graphs are not captured afresh: `_recaptured`.)"""
+    def figures() -> dict:  # each run twice: the first captures the graphs afresh
         steps = model_steps(bench)
-        b4 = bench.decode(4, tokens=DECODE_TOKENS)
-        accept = bench.decode(1, tokens=DECODE_TOKENS, spec="mtp", drafts="accept")
+        b4 = [bench.decode(4, tokens=DECODE_TOKENS) for _ in range(2)][1]
+        b8 = [bench.decode(8, tokens=DECODE_TOKENS) for _ in range(2)][1]
+        accept = [bench.decode(1, tokens=DECODE_TOKENS, spec="mtp", drafts="accept")
+                  for _ in range(2)][1]
         return {"verify4_over_step": steps["verify4_over_step"],
                 "verify4_us": steps["verify4_us"], "decode_b4_tok_s": b4["tok_s"],
-                "mtp_accept_tok_s": accept["tok_s"],
+                "decode_b8_tok_s": b8["tok_s"], "mtp_accept_tok_s": accept["tok_s"],
                 "mtp_accept_tokens_per_verify": accept["tokens_per_verify"]}
 
     import kernels
@@ -168,6 +174,22 @@ def skinny_rows_row(bench, rounds: int = 3) -> dict:
             runs[name].append(_switched(bench, figures, kernels, "SKINNY_ROWS", rows))
     return {name: {key: sorted(r[key] for r in rs)[rounds // 2] for key in rs[0]}
             | {"runs": rs} for name, rs in runs.items()}
+
+
+def verify_in_place_row(bench, rounds: int = 3) -> dict:
+    """A verify of 4 positions whose GDN layers gather the lanes' slots first or read them
+    in place (`ninfer.model.gdn.VERIFY_IN_PLACE`), in turn: each median and every run."""
+    from ..model import gdn
+    runs: dict[str, list[float]] = {"gather": [], "in_place": []}
+    for _ in range(rounds + 1):  # the first round warms
+        for name, value in (("gather", False), ("in_place", True)):
+            us = _switched(bench, lambda: model_steps(bench)["verify4_us"], gdn,
+                           "VERIFY_IN_PLACE", value)
+            runs[name].append(us)
+    out = {name: {"verify4_us": sorted(v[1:])[rounds // 2], "runs": v[1:]}
+           for name, v in runs.items()}
+    out["in_place_over_gather"] = out["in_place"]["verify4_us"] / out["gather"]["verify4_us"]
+    return out
 
 
 def _in_turn(variants: dict[str, dict], run, rounds: int = 3) -> dict:
@@ -244,6 +266,7 @@ def main(json_path: str | None = None, only: str | None = None) -> int:
     steps.append(("decode_b1_4k",
                   warm(lambda: b.decode(1, tokens=DECODE_TOKENS, context=4096))))
     steps.append(("skinny_rows", lambda: skinny_rows_row(b)))
+    steps.append(("verify_in_place", lambda: verify_in_place_row(b)))
     for drafts in (None, "accept", "reject"):  # warm too: a verify graph per round length
         steps.append((f"mtp_{drafts or 'model'}", warm(
             lambda d=drafts: b.decode(1, tokens=DECODE_TOKENS, spec="mtp", drafts=d))))

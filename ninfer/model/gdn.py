@@ -68,6 +68,11 @@ class SlotGDNState:
         return GDNState(self.conv_pool[self.slots], self.rec_pool[self.slots])
 
 
+# A verify on the GPU reads the lanes' slot pools in place (False: gathers them first, the
+# benchmark's "before": the `verify_in_place` row of `ninfer.bench.gpu_engine`)
+VERIFY_IN_PLACE = True
+
+
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
@@ -175,7 +180,7 @@ class GatedDeltaNet(nn.Module):
         if isinstance(state, SlotGDNState):
             if dev is not None and T == 1 and not all_states:
                 return self._step_in_place(x, state, dev, norm, residual), state
-            if dev is not None and all_states:
+            if dev is not None and all_states and VERIFY_IN_PLACE:
                 return self._verify_off_pools(x, state, dev, norm, residual)
             state = state.gather()
         qkv, z, b, a = self._project(x, norm)

@@ -179,3 +179,24 @@ def test_a_forward_fed_by_decode_start_gives_the_same_logits_and_their_greedy_ke
     got = net.forward(ids, pos, state(), embedded=(h, (cos, sin)), greedy=keys)
     assert torch.allclose(got.logits, want.logits, atol=1e-5, rtol=1e-5)
     assert greedy.token_of(keys).tolist() == got.logits[:, -1].argmax(-1).tolist()
+
+
+def test_a_verify_reads_the_lanes_slots_in_place_as_their_gathered_copy(on_cpu, monkeypatch):
+    # `gdn.VERIFY_IN_PLACE`: the conv and step kernels read the slot pools by index; the
+    # same logits and per-position states as from a gathered copy, and the pools untouched
+    from ninfer.engine.model import Lane
+    from ninfer.model import gdn
+    got = {}
+    for in_place in (False, True):
+        monkeypatch.setattr(gdn, "VERIFY_IN_PLACE", in_place)
+        model = _model_with_random_states(3)
+        model.init_slot(Lane(slot=1, attn_blocks=[3]))  # another lane's slot, zeroed
+        pools = [t.clone() for d in (model.conv, model.recurrent) for t in d.values()]
+        lane = Lane(slot=4, attn_blocks=[0, 1, 2])
+        out = model.forward_batch([(lane, [5, 6, 7], 4)], per_position=True)[0]
+        states, row, _ = out.states[0]
+        got[in_place] = (out.logits, [(states.states[j].conv[row],
+                                       states.states[j].recurrent[row]) for j in model.conv])
+        assert all(torch.equal(a, b) for a, b in zip(
+            pools, [t for d in (model.conv, model.recurrent) for t in d.values()], strict=True))
+    torch.testing.assert_close(got[True], got[False], rtol=0, atol=0)
