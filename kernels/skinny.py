@@ -45,9 +45,6 @@ from .greedy import KEY_NONE_C, key_of
 
 NONE, RMS, GATED, SIGMOID = 0, 1, 2, 3
 MAX_ROWS = 8
-# An experiment (reverted): calls of 2 .. LOOP_ROWS rows whose one-row tiling covers K take
-# the one-row kernel with its rows computed one after another, the weights loaded once
-LOOP_ROWS = 4
 # The conv epilogue reads the lanes' tails before the PDL wait: a decode step's slot pool,
 # written only by earlier forwards or the host (`kernels.pdl`'s exception, as the GDN step's
 # `early_state`). False: after the wait, the benchmark's "before" (`ninfer.bench.gpu_engine`).
@@ -199,7 +196,7 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
                    DOT: tl.constexpr, IEEE: tl.constexpr, SINGLE: tl.constexpr,
                    CONV: tl.constexpr, KC: tl.constexpr, KP: tl.constexpr,
                    ARGMAX: tl.constexpr, EARLY_CONV: tl.constexpr, FENCE: tl.constexpr,
-                   ROWS: tl.constexpr, PDL: tl.constexpr):
+                   PDL: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     if not FENCE:  # (fenced: the kernels after this start once it has waited, `kernels.pdl`)
         pdl.launch_dependents(PDL)
@@ -216,106 +213,97 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
         if GLU:  # the up row n sits N rows below the gate row n
             wu1 = tl.load(w_ptrs + N * s_w, mask=nm[:, None] & km1[None, :], other=0.0)
         nw1 = _norm_weights(nw_ptr, ks1, km1, PROLOGUE, HEAD)  # weights too: before the wait
-    if CONV and EARLY_CONV and not FENCE and ROWS == 1:  # a decode step's slot pool:
-        # written only by earlier forwards (fenced: the kernel before may have just fetched
-        # the slots)
+    if CONV and EARLY_CONV and not FENCE:  # a decode step's slot pool: written only by
+        # earlier forwards (fenced: the kernel before may have just fetched the slots)
         old, after, wc, live, out = _conv_tails(conv_ptr, slot_ptr, dest_ptr, cw_ptr, rows, rm,
                                                 ns, nm, C, s_cn, s_cc, s_cwc, s_cwk, KC, KP)
     pdl.wait(PDL)  # from here on: reads of what earlier kernels wrote, and every write
     if FENCE:
         pdl.launch_dependents(PDL)
-    if ROWS == 1:
-        n_rows = 1  # (a loop of one, folded away)
-    else:  # the rows one by one (BM 1), each as the one-row kernel computes it, the
-        # weights read once for all of them
-        n_rows = M
-    for i in range(0, n_rows):
-        rows = i + tl.arange(0, BM)
-        rm = rows < M
-        ym = rm[:, None] & nm[None, :]
-        if RESIDUAL and SPLIT == 1:  # issued now, its round trip overlaps the GEMM's
+    ym = rm[:, None] & nm[None, :]
+    if RESIDUAL and SPLIT == 1:  # issued now, its round trip overlaps the GEMM's
+        r = tl.load(r_ptr + rows[:, None] * s_r + ns[None, :], mask=ym, other=0.0)
+    if CONV and (FENCE or not EARLY_CONV):
+        old, after, wc, live, out = _conv_tails(conv_ptr, slot_ptr, dest_ptr, cw_ptr, rows, rm,
+                                                ns, nm, C, s_cn, s_cc, s_cwc, s_cwk, KC, KP)
+    per = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK  # this program's share of K
+    k_lo = pid_k * per
+    k_hi = tl.minimum(k_lo + per, K)
+    inv = tl.zeros([BM], dtype=tl.float32)
+    if PROLOGUE == 1 and not SINGLE:  # the row's rms over all of K, whichever part is read
+        ss = tl.zeros([BM], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            xv = tl.load(x_ptr + rows[:, None] * s_x + ks[None, :],
+                         mask=rm[:, None] & (ks < K)[None, :], other=0.0).to(tl.float32)
+            ss += tl.sum(xv * xv, axis=1)
+        inv = tl.rsqrt(ss / K + eps)
+    if DOT:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        if GLU:
+            acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    else:  # one row: multiply-adds per element, reduced over K once at the end
+        acc = tl.zeros([BN, BK], dtype=tl.float32)
+        if GLU:
+            acc_u = tl.zeros([BN, BK], dtype=tl.float32)
+    if SINGLE:
+        xv = _x_tile(x_ptr, nw1, z_ptr, xn_ptr, rows, rm, ks1, km1, pid_n, s_x, s_z, s_zh,
+                     s_xn, eps, offset, inv, K, dt, PROLOGUE, HEAD, BM, BK, NORMED, True)
+        acc = _accumulate(acc, xv, wv1, DOT, IEEE)
+        if GLU:
+            acc_u = _accumulate(acc_u, xv, wu1, DOT, IEEE)
+    else:
+        for k0 in range(k_lo, k_hi, BK):
+            ks = k0 + tl.arange(0, BK)
+            km = ks < K
+            xv = _x_tile(x_ptr, _norm_weights(nw_ptr, ks, km, PROLOGUE, HEAD), z_ptr, xn_ptr,
+                         rows, rm, ks, km, pid_n, s_x, s_z, s_zh, s_xn, eps, offset, inv, K,
+                         dt, PROLOGUE, HEAD, BM, BK, NORMED, False)
+            w_ptrs = w_ptr + ns[:, None] * s_w + ks[None, :]
+            wm = nm[:, None] & km[None, :]
+            acc = _accumulate(acc, xv, tl.load(w_ptrs, mask=wm, other=0.0), DOT, IEEE)
+            if GLU:  # the up row n sits N rows below the gate row n
+                acc_u = _accumulate(acc_u, xv, tl.load(w_ptrs + N * s_w, mask=wm, other=0.0),
+                                    DOT, IEEE)
+    if DOT:
+        y = acc
+        if GLU:
+            y_u = acc_u
+    else:
+        y = tl.sum(acc, axis=1)[None, :]  # [1, BN]
+        if GLU:
+            y_u = tl.sum(acc_u, axis=1)[None, :]
+    if SPLIT > 1:  # add into the workspace; the last program of this column block goes on
+        ws = ws_ptr + rows[:, None] * N + ns[None, :]
+        tl.atomic_add(ws, y, mask=ym)
+        if GLU:
+            tl.atomic_add(ws + BM * N, y_u, mask=ym)
+        tl.debug_barrier()  # every thread's partial sums land before the count says so
+        count = tl.atomic_add(cnt_ptr + pid_n, 1)
+        last = (tl.zeros([BM, BN], dtype=tl.int32) + count) == SPLIT - 1
+        ym = ym & last
+        zero = tl.zeros([BM, BN], dtype=tl.float32)
+        y = tl.atomic_add(ws, zero, mask=ym)  # the sum, read where the adds landed (L2)
+        tl.store(ws, zero, mask=ym)  # zeros again for the next call
+        if GLU:
+            y_u = tl.atomic_add(ws + BM * N, zero, mask=ym)
+            tl.store(ws + BM * N, zero, mask=ym)
+        tl.atomic_xchg(cnt_ptr + pid_n, 0, mask=count == SPLIT - 1)
+    y = y.to(dt)
+    if CONV:
+        y = _conv_epilogue(y, old, after, wc, live, out, ns, ym, C, KC, KP)
+    if GLU:  # silu(g) * u, silu rounded first as torch's is
+        g = y.to(tl.float32)
+        y = ((g * tl.sigmoid(g)).to(dt).to(tl.float32) * y_u.to(dt).to(tl.float32)).to(dt)
+    if RESIDUAL:
+        if SPLIT > 1:  # only the program that finishes the sum reads it
             r = tl.load(r_ptr + rows[:, None] * s_r + ns[None, :], mask=ym, other=0.0)
-        if CONV and (FENCE or not EARLY_CONV or ROWS > 1):
-            old, after, wc, live, out = _conv_tails(conv_ptr, slot_ptr, dest_ptr, cw_ptr, rows, rm,
-                                                    ns, nm, C, s_cn, s_cc, s_cwc, s_cwk, KC, KP)
-        per = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK  # this program's share of K
-        k_lo = pid_k * per
-        k_hi = tl.minimum(k_lo + per, K)
-        inv = tl.zeros([BM], dtype=tl.float32)
-        if PROLOGUE == 1 and not SINGLE:  # the row's rms over all of K, whichever part is read
-            ss = tl.zeros([BM], dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                ks = k0 + tl.arange(0, BK)
-                xv = tl.load(x_ptr + rows[:, None] * s_x + ks[None, :],
-                             mask=rm[:, None] & (ks < K)[None, :], other=0.0).to(tl.float32)
-                ss += tl.sum(xv * xv, axis=1)
-            inv = tl.rsqrt(ss / K + eps)
-        if DOT:
-            acc = tl.zeros([BM, BN], dtype=tl.float32)
-            if GLU:
-                acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-        else:  # one row: multiply-adds per element, reduced over K once at the end
-            acc = tl.zeros([BN, BK], dtype=tl.float32)
-            if GLU:
-                acc_u = tl.zeros([BN, BK], dtype=tl.float32)
-        if SINGLE:
-            xv = _x_tile(x_ptr, nw1, z_ptr, xn_ptr, rows, rm, ks1, km1, pid_n, s_x, s_z, s_zh,
-                         s_xn, eps, offset, inv, K, dt, PROLOGUE, HEAD, BM, BK, NORMED, True)
-            acc = _accumulate(acc, xv, wv1, DOT, IEEE)
-            if GLU:
-                acc_u = _accumulate(acc_u, xv, wu1, DOT, IEEE)
-        else:
-            for k0 in range(k_lo, k_hi, BK):
-                ks = k0 + tl.arange(0, BK)
-                km = ks < K
-                xv = _x_tile(x_ptr, _norm_weights(nw_ptr, ks, km, PROLOGUE, HEAD), z_ptr, xn_ptr,
-                             rows, rm, ks, km, pid_n, s_x, s_z, s_zh, s_xn, eps, offset, inv, K,
-                             dt, PROLOGUE, HEAD, BM, BK, NORMED, False)
-                w_ptrs = w_ptr + ns[:, None] * s_w + ks[None, :]
-                wm = nm[:, None] & km[None, :]
-                acc = _accumulate(acc, xv, tl.load(w_ptrs, mask=wm, other=0.0), DOT, IEEE)
-                if GLU:  # the up row n sits N rows below the gate row n
-                    acc_u = _accumulate(acc_u, xv, tl.load(w_ptrs + N * s_w, mask=wm, other=0.0),
-                                        DOT, IEEE)
-        if DOT:
-            y = acc
-            if GLU:
-                y_u = acc_u
-        else:
-            y = tl.sum(acc, axis=1)[None, :]  # [1, BN]
-            if GLU:
-                y_u = tl.sum(acc_u, axis=1)[None, :]
-        if SPLIT > 1:  # add into the workspace; the last program of this column block goes on
-            ws = ws_ptr + rows[:, None] * N + ns[None, :]
-            tl.atomic_add(ws, y, mask=ym)
-            if GLU:
-                tl.atomic_add(ws + BM * N, y_u, mask=ym)
-            tl.debug_barrier()  # every thread's partial sums land before the count says so
-            count = tl.atomic_add(cnt_ptr + pid_n, 1)
-            last = (tl.zeros([BM, BN], dtype=tl.int32) + count) == SPLIT - 1
-            ym = ym & last
-            zero = tl.zeros([BM, BN], dtype=tl.float32)
-            y = tl.atomic_add(ws, zero, mask=ym)  # the sum, read where the adds landed (L2)
-            tl.store(ws, zero, mask=ym)  # zeros again for the next call
-            if GLU:
-                y_u = tl.atomic_add(ws + BM * N, zero, mask=ym)
-                tl.store(ws + BM * N, zero, mask=ym)
-            tl.atomic_xchg(cnt_ptr + pid_n, 0, mask=count == SPLIT - 1)
-        y = y.to(dt)
-        if CONV:
-            y = _conv_epilogue(y, old, after, wc, live, out, ns, ym, C, KC, KP)
-        if GLU:  # silu(g) * u, silu rounded first as torch's is
-            g = y.to(tl.float32)
-            y = ((g * tl.sigmoid(g)).to(dt).to(tl.float32) * y_u.to(dt).to(tl.float32)).to(dt)
-        if RESIDUAL:
-            if SPLIT > 1:  # only the program that finishes the sum reads it
-                r = tl.load(r_ptr + rows[:, None] * s_r + ns[None, :], mask=ym, other=0.0)
-            y = (r.to(tl.float32) + y.to(tl.float32)).to(dt)
-        tl.store(y_ptr + rows[:, None] * s_y + ns[None, :], y, mask=ym)
-        if ARGMAX:  # each row's greedy key over this program's columns, folded into the row's
-            key = tl.where(ym, key_of(y.to(tl.float32), ns[None, :] + rows[:, None] * 0),
-                           KEY_NONE_C)
-            tl.atomic_max(keys_ptr + rows, tl.max(key, axis=1), mask=rm)
+        y = (r.to(tl.float32) + y.to(tl.float32)).to(dt)
+    tl.store(y_ptr + rows[:, None] * s_y + ns[None, :], y, mask=ym)
+    if ARGMAX:  # each row's greedy key over this program's columns, folded into the row's
+        key = tl.where(ym, key_of(y.to(tl.float32), ns[None, :] + rows[:, None] * 0),
+                       KEY_NONE_C)
+        tl.atomic_max(keys_ptr + rows, tl.max(key, axis=1), mask=rm)
 
 
 _workspaces: dict[torch.device, tuple[Tensor, Tensor]] = {}
@@ -358,12 +346,7 @@ def _launch(x: Tensor, w: Tensor, *, prologue: int = NONE, norm_weight: Tensor |
         raise ValueError(f"skinny GEMM takes up to {MAX_ROWS} rows of a unit-stride weight "
                          f"with K={K}, got x {tuple(x.shape)}, w {tuple(w.shape)}")
     t = tiles or tiles_for(M, N, K, glu, x.device)
-    loop = 1  # rows the program computes one by one
-    if tiles is None and 1 < M <= LOOP_ROWS:
-        one = tiles_for(1, N, K, glu, x.device)
-        if one.split == 1 and one.bk >= K and not one.dot:
-            t, loop = one, M
-    if (M > 1 and loop == 1) or t.dot:  # several rows go through the dot (tiles >= 16)
+    if M > 1 or t.dot:  # several rows go through the dot, whose tiles are 16 or more
         t = t._replace(dot=True, bn=max(t.bn, 16), bk=max(t.bk, 16))
     if prologue == GATED:  # whole heads per step
         t = t._replace(bk=max(t.bk, head))
@@ -397,7 +380,7 @@ def _launch(x: Tensor, w: Tensor, *, prologue: int = NONE, norm_weight: Tensor |
         SINGLE=t.split == 1 and t.bk >= K, CONV=conv is not None,
         KC=cw.shape[1] if conv is not None else 2,
         KP=triton.next_power_of_2(cw.shape[1]) if conv is not None else 2,
-        ARGMAX=argmax is not None, EARLY_CONV=EARLY_CONV, ROWS=loop, num_warps=t.warps,
+        ARGMAX=argmax is not None, EARLY_CONV=EARLY_CONV, num_warps=t.warps,
         **pdl.launch(x, fenced=True))
     y = y.view(*x.shape[:-1], N)
     return (y, xn.view(x.shape)) if normed else y

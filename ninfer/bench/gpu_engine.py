@@ -165,23 +165,13 @@ def skinny_rows_row(bench, rounds: int = 3) -> dict:
                 "mtp_accept_tokens_per_verify": accept["tokens_per_verify"]}
 
     import kernels
-    from kernels import skinny
-    variants = {"rows_1": (1, 4), "rows_4_loop_4": (4, 4)}  # (SKINNY_ROWS, LOOP_ROWS)
-
-    def run(rows: int, loop: int) -> dict:
-        before = kernels.SKINNY_ROWS, skinny.LOOP_ROWS
-        kernels.SKINNY_ROWS, skinny.LOOP_ROWS = rows, loop
-        try:
-            return _recaptured(bench, figures)
-        finally:
-            kernels.SKINNY_ROWS, skinny.LOOP_ROWS = before
-
+    variants = {"rows_1": 1, "rows_4": 4}
     runs: dict[str, list[dict]] = {name: [] for name in variants}
-    for setting in variants.values():  # warm: the first call of a shape compiles, captures
-        run(*setting)
+    for rows in variants.values():  # warm: the first call of a shape compiles and captures
+        _switched(bench, figures, kernels, "SKINNY_ROWS", rows)
     for _ in range(rounds):
-        for name, setting in variants.items():
-            runs[name].append(run(*setting))
+        for name, rows in variants.items():
+            runs[name].append(_switched(bench, figures, kernels, "SKINNY_ROWS", rows))
     return {name: {key: sorted(r[key] for r in rs)[rounds // 2] for key in rs[0]}
             | {"runs": rs} for name, rs in runs.items()}
 
