@@ -22,6 +22,8 @@ transformers + fla on the same weights, each measured in the run that reports it
   batch-4 / 8 decode and MTP with drafts forced right, with GEMMs of up to 4 rows through
   cuBLAS or the skinny kernels (`kernels.SKINNY_ROWS`), in turn. `verify_in_place`: a
   verify of 4 positions gathering the GDN slots first or reading them in place.
+  `mtp_span_graphs`: MTP with drafts forced right, the MTP layer's catch-up of a round's
+  positions eager (`ninfer.model.spec_graphs.MAX_SPAN` 1) or replayed from graphs.
   `main(path, only="row,row")` runs only those rows (a short device call).
 - baseline: transformers' Qwen3NextForCausalLM on the same files, with fla's kernels when
   transformers binds them (reported), `generate` greedy at batch 1 and 8, and a 4K prefill.
@@ -267,6 +269,12 @@ def main(json_path: str | None = None, only: str | None = None) -> int:
                   warm(lambda: b.decode(1, tokens=DECODE_TOKENS, context=4096))))
     steps.append(("skinny_rows", lambda: skinny_rows_row(b)))
     steps.append(("verify_in_place", lambda: verify_in_place_row(b)))
+    from ..model import spec_graphs
+    steps.append(("mtp_span_graphs", lambda: _in_turn(  # the MTP catch-up eager or replayed
+        {"eager": {"value": 1}, "graphs": {"value": spec_graphs.MAX_SPAN}},
+        lambda settings: _switched(b, warm(lambda: b.decode(
+            1, tokens=DECODE_TOKENS, spec="mtp", drafts="accept")), spec_graphs, "MAX_SPAN",
+            **settings))))
     for drafts in (None, "accept", "reject"):  # warm too: a verify graph per round length
         steps.append((f"mtp_{drafts or 'model'}", warm(
             lambda d=drafts: b.decode(1, tokens=DECODE_TOKENS, spec="mtp", drafts=d))))

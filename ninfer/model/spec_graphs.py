@@ -39,7 +39,9 @@ from .graphs import SIZES, WIDTHS, warm_and_capture
 from .hybrid import ForwardOutput, HybridState
 
 MAX_TOKENS = 8   # longest verify taken by a graph (drafts + 1)
-MAX_SPAN = 8     # longest MTP catch-up taken by a graph (a round's committed positions, + 1)
+# longest MTP catch-up taken by a graph (a round's committed positions, + 1); 1: only single
+# entries (the benchmark's "before": the `mtp_span_graphs` row of `ninfer.bench.gpu_engine`)
+MAX_SPAN = 8
 
 
 @dataclass
