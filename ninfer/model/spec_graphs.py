@@ -14,9 +14,9 @@ W as the decode graphs (`ninfer.model.graphs`: a smaller batch is padded with la
 (entries T, width W of the MTP layer's block table). Inputs reach a graph through one
 static int64 buffer (tokens, positions, state slots, block tables) filled by one
 host-to-device copy, and the MTP entries' hidden states by a device copy into their static
-input. The forwards are the eager
-ones (`HybridModel.forward` with `all_states`, `HybridModel.mtp_forward`), so a replay
-computes what the eager call computes; a verify writes the lanes' KV at the verified
+input. The forwards are the eager ones (`HybridModel.forward` with `all_states`,
+`HybridModel.mtp_forward`, `TorchModel.mtp_span`'s), so a replay computes what the eager
+call computes; a verify writes the lanes' KV at the verified
 positions and leaves the slot pools alone, as the eager verify does.
 
 What a replay returns lives in the graph's static outputs until that graph's next replay:
@@ -121,7 +121,6 @@ class VerifyGraphs:
 @dataclass
 class _MtpCaptured:
     graph: torch.cuda.CUDAGraph
-    T: int
     inputs: Tensor        # [2 * T + W] int64: the next tokens, the positions, the table
     staging: Tensor       # its pinned host twin
     hidden: Tensor        # [1, T, D] the static hidden-state input
@@ -189,7 +188,7 @@ class MtpGraphs:
             return net.lm_logits(y[0, -1]), y[0, -1]
 
         graph, (logits, out) = warm_and_capture(forward, self.pool)
-        cap = _MtpCaptured(graph, T, inputs,
+        cap = _MtpCaptured(graph, inputs,
                            torch.zeros_like(inputs, device="cpu").pin_memory(), hidden,
                            logits, out)
         self.graphs[(T, W)] = cap
