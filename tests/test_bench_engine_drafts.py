@@ -13,10 +13,12 @@ def bench():
     return Bench(None, "cpu", "float32")
 
 
-def test_drafts_forced_right_are_all_accepted(bench):
-    r = bench.decode(1, tokens=24, spec="mtp", drafts="accept")
-    assert r["drafted"] >= 15 and r["accepted"] == r["drafted"]
+def test_drafts_forced_right_are_all_accepted_and_drafting_is_adaptive_again_after(bench):
+    adaptive = AdaptiveDraft.next_k, AdaptiveDraft.drafts_next
+    r = bench.decode(1, tokens=24, spec="mtp", drafts="accept")  # (its answers: every round
+    assert r["drafted"] >= 15 and r["accepted"] == r["drafted"]  # drafting, forced wrong)
     assert r["tokens_per_verify"] > 3
+    assert (AdaptiveDraft.next_k, AdaptiveDraft.drafts_next) == adaptive
 
 
 def test_drafts_forced_wrong_are_never_accepted_and_the_drafter_is_put_back(bench):
