@@ -1,12 +1,22 @@
 """OpenAI request and response models (pydantic v2). Requests are validated strictly where a
 wrong value would silently change behaviour (types, ranges, finiteness) and leniently where
-clients differ harmlessly (unknown fields are ignored)."""
+clients differ harmlessly (unknown fields are ignored). A known field asking for what this
+server does not do (JSON-constrained output, a logit bias) is refused, not ignored."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 Probability = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
@@ -96,6 +106,20 @@ class StreamOptions(_Model):
     include_usage: StrictBool = False
 
 
+class ResponseFormat(_Model):
+    """Plain text only: output constrained to JSON is not implemented, and a request for it
+    ignored would hand the client what it did not ask for."""
+
+    type: StrictStr
+
+    @model_validator(mode="after")
+    def _text_only(self) -> ResponseFormat:
+        if self.type != "text":
+            raise ValueError(f"type {self.type!r} is not supported: this server does not "
+                             "constrain its output (only 'text')")
+        return self
+
+
 class SamplingFields(_Model):
     """Fields chat and text completions share."""
 
@@ -116,6 +140,15 @@ class SamplingFields(_Model):
     user: StrictStr | None = None
     session_id: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
     cache_salt: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
+    logit_bias: dict[str, Any] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict | None) -> dict | None:
+        if value:  # (an empty one changes nothing)
+            raise ValueError("not supported: this server samples from the model's own "
+                             "distribution")
+        return value
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -137,6 +170,7 @@ class ChatRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: StrictBool | None = None
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    response_format: ResponseFormat | None = None
 
     @property
     def top_n(self) -> int | None:

@@ -83,6 +83,11 @@ FIELDS = [
     ("thinking switch not bool", {"chat_template_kwargs": {"enable_thinking": "yes"}}, None),
     ("bad reasoning effort", {"reasoning_effort": "extreme"}, "reasoning_effort"),
     ("lone surrogate", {"messages": [{"role": "user", "content": "\ud800"}]}, None),
+    # asked-for behaviour this server does not have: refused, never silently ignored
+    ("JSON output", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("JSON schema output", {"response_format": {"type": "json_schema", "json_schema": {}}},
+     "response_format"),
+    ("logit bias", {"logit_bias": {"5": 100}}, "logit_bias"),
 ]
 
 
@@ -96,6 +101,12 @@ def test_invalid_fields(live, name, fields, param):
     if param is not None:
         assert error["param"] == param
     assert error["type"] == "invalid_request_error"
+
+
+def test_plain_text_format_and_an_empty_logit_bias_are_accepted(live):
+    r = httpx.post(live.url + CHAT, json=chat(response_format={"type": "text"}, logit_bias={}))
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["role"] == "assistant"
 
 
 def test_context_length_exceeded(live):
@@ -115,6 +126,8 @@ def test_completions_errors(live):
     check_shape(r, 400)
     r = httpx.post(live.url + "/v1/completions", json={"prompt": "x", "echo": True})
     check_shape(r, 400)
+    r = httpx.post(live.url + "/v1/completions", json={"prompt": "x", "logit_bias": {"7": 5}})
+    assert check_shape(r, 400)["param"] == "logit_bias"
 
 
 def test_unknown_model_route_and_method(live):
