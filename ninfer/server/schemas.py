@@ -171,6 +171,16 @@ class ChatRequest(SamplingFields):
     logprobs: StrictBool | None = None
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None
+    functions: list[Any] | None = None  # the deprecated form of tools
+    function_call: Any = None
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _tools_not_functions(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("the deprecated function-calling fields are not supported: "
+                             "send `tools` and `tool_choice`")
+        return value
 
     @property
     def top_n(self) -> int | None:

@@ -88,6 +88,8 @@ FIELDS = [
     ("JSON schema output", {"response_format": {"type": "json_schema", "json_schema": {}}},
      "response_format"),
     ("logit bias", {"logit_bias": {"5": 100}}, "logit_bias"),
+    ("deprecated functions", {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ("deprecated function_call", {"function_call": "auto"}, "function_call"),
 ]
 
 
