@@ -177,7 +177,7 @@ class ChatRequest(SamplingFields):
     @field_validator("functions", "function_call")
     @classmethod
     def _tools_not_functions(cls, value: Any) -> Any:
-        if value is not None:
+        if value and value != "none":  # (none, or no functions, asks for nothing)
             raise ValueError("the deprecated function-calling fields are not supported: "
                              "send `tools` and `tool_choice`")
         return value
