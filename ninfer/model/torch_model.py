@@ -331,11 +331,9 @@ class TorchModel:
     def mtp_span(self, lane: Lane, start: int, hidden: Sequence, next_tokens: list) -> MtpOut:
         """One MTP forward over entries start..start+n-1 (a catch-up); logits only for the
         last entry, the one a draft is taken from."""
-        if len(hidden) == 1 and self.mtp_graphs is not None and self.mtp_graphs.fits(lane):
-            return self.mtp(lane, start, hidden[0], next_tokens[0])  # one entry: a replay
         self._launched += 1
         if self.mtp_graphs is not None and self.mtp_graphs.fits(lane, len(hidden)):
-            return self.mtp_graphs.span(lane, start, hidden, next_tokens)
+            return self.mtp_graphs.span(lane, start, hidden, next_tokens)  # one replay
         net, n = self.net, len(hidden)
         positions = torch.arange(start, start + n, device=self.device)[None]  # [1, n]
         ids = torch.tensor([next_tokens], device=self.device)

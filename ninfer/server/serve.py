@@ -173,9 +173,9 @@ def load(args: argparse.Namespace) -> Loaded:
                     mtp=args.spec == "mtp")
     if args.spec != "none" and getattr(om.model, "graphs", None) is not None:
         log.warning("--spec %s on %s: verifies and drafts replay CUDA graphs, but a verify "
-                    "of 4 positions costs ~2.7 plain steps and only rounds without drafts "
-                    "run ahead, so it decodes slower than plain there "
-                    "(bench/results/engine-h200.json); --spec none is the fast path",
+                    "of 4 positions costs ~2.6 plain steps and only rounds without drafts "
+                    "run ahead, so it decodes slower than plain there, even with every draft "
+                    "right (bench/results/mtp-span-h100.json); --spec none is the fast path",
                     args.spec, args.device)
     config = EngineConfig(max_concurrency=args.max_concurrency,
                           prefill_chunk=args.prefill_chunk or default_prefill_chunk(args.device),
