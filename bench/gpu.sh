@@ -5,6 +5,7 @@
 # benchmarks, writing JSON results to $OUT (or bench/results/ when OUT is unset).
 #
 #   bench/gpu.sh [kernels] [engine] [baseline] [skinny] [gdn-sweep] [profile] [persistent]
+#                [gluon]
 #                (default: the first three)
 #
 # Wheels to carry (pip download --no-deps on a machine with network): fla-core,
@@ -47,6 +48,9 @@ for stage in $stages; do
         ;;
     persistent)  # the GEMMs of 24 GDN layers: one persistent kernel against the PDL chain
         python3 -m ninfer.bench.persistent "$OUT/persistent-h200.json" || status=1
+        ;;
+    gluon)  # the same GEMMs with their weights staged in shared memory (cp.async / TMA)
+        python3 -m ninfer.bench.gluon_chain "$OUT/gluon-chain-h200.json" || status=1
         ;;
     baseline)
         python3 -c "from ninfer.bench.gpu_engine import baseline; raise SystemExit(baseline('$OUT/baseline-h200.json'))" || status=1
