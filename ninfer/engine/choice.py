@@ -36,12 +36,14 @@ class GreedyChoice:
 
 def needs_sampling(params: SamplingParams) -> bool:
     return (params.temperature > 0 or params.presence_penalty != 0
-            or params.frequency_penalty != 0)
+            or params.frequency_penalty != 0 or params.repetition_penalty != 1)
 
 
-def make_choice(params: SamplingParams, history: list[int]) -> Choice:
-    """`history` is the request's output list (penalties read it as it grows)."""
+def make_choice(params: SamplingParams, history: list[int], prompt: Sequence[int] = ()
+                ) -> Choice:
+    """`history` is the request's output list (penalties read it as it grows); `prompt`
+    its prompt (the repetition penalty counts its tokens too)."""
     if not needs_sampling(params):
         return GreedyChoice()
     from .sampling import SampledChoice
-    return SampledChoice(params, history)
+    return SampledChoice(params, history, prompt)

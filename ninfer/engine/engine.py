@@ -113,7 +113,8 @@ class Engine:
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.draft_hook: Callable[[Request], bool] | None = None
         # how a request's tokens are chosen; `journal redrive` forces the recorded ones
-        self.choose: Callable[[Request], Choice] = lambda r: make_choice(r.params, r.outputs)
+        self.choose: Callable[[Request], Choice] = lambda r: make_choice(r.params, r.outputs,
+                                                                           r.prompt)
         self._cp_ids = itertools.count(1)
         self._ids: set[str] = set()
         self._ids_lock = threading.Lock()

@@ -18,24 +18,45 @@ class SamplingConfig:
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0   # 1: off
     seed: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    @property
+    def penalised(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
-def apply_penalties(logits: torch.Tensor, history: Sequence[int], cfg: SamplingConfig
-                    ) -> torch.Tensor:
-    """OpenAI's presence / frequency penalties over the tokens generated so far.
+
+def apply_penalties(logits: torch.Tensor, history: Sequence[int], cfg: SamplingConfig,
+                    prompt_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """OpenAI's presence / frequency penalties over the tokens generated so far (history),
+    then the repetition penalty (vLLM's and transformers' sense) over every token of the
+    history or of the prompt (prompt_ids: its distinct tokens, `distinct`): a positive
+    logit divided by it, a negative one multiplied.
     logits: [V] or [N, V] (the same history for every row)."""
-    if not history or (cfg.presence_penalty == 0.0 and cfg.frequency_penalty == 0.0):
-        return logits
-    ids, counts = torch.tensor(list(history)).unique(return_counts=True)
-    penalty = cfg.frequency_penalty * counts.to(logits.dtype) + cfg.presence_penalty
-    out = logits.clone()
-    out[..., ids] -= penalty
+    out = logits
+    if history and (cfg.presence_penalty != 0.0 or cfg.frequency_penalty != 0.0):
+        ids, counts = torch.tensor(list(history)).unique(return_counts=True)
+        penalty = cfg.frequency_penalty * counts.to(logits.dtype) + cfg.presence_penalty
+        out = out.clone()
+        out[..., ids] -= penalty
+    if cfg.repetition_penalty != 1.0 and (history or prompt_ids is not None):
+        ids = distinct(history) if prompt_ids is None else \
+            torch.cat([prompt_ids, distinct(history)]).unique()
+        seen = out[..., ids]
+        out = out.clone()
+        out[..., ids] = torch.where(seen > 0, seen / cfg.repetition_penalty,
+                                    seen * cfg.repetition_penalty)
     return out
+
+
+def distinct(tokens: Sequence[int]) -> torch.Tensor:
+    """The distinct token ids of a sequence, as an int64 tensor (sorted)."""
+    return torch.tensor(list(tokens), dtype=torch.int64).unique()
 
 
 def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
@@ -122,22 +143,34 @@ def _point_mass(token: int, like: torch.Tensor) -> torch.Tensor:
 
 class SampledChoice:
     """The Choice protocol (ninfer.engine.choice) over logits, for one request: its own
-    seeded generator, penalties over its output so far. Without logits (SimModel), greedy."""
+    seeded generator, penalties over its output so far (and its prompt, for the repetition
+    penalty). Without logits (SimModel), greedy."""
 
-    def __init__(self, params, history: list[int]) -> None:
+    def __init__(self, params, history: list[int], prompt: Sequence[int] = ()) -> None:
         self.cfg = SamplingConfig(
             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
             min_p=params.min_p, presence_penalty=params.presence_penalty,
-            frequency_penalty=params.frequency_penalty, seed=params.seed)
+            frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty, seed=params.seed)
         self.history = history
+        self.prompt_ids = distinct(prompt) if prompt and self.cfg.repetition_penalty != 1.0 \
+            else None
         self.generator = torch.Generator()
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
         else:
             self.generator.seed()
 
-    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
-        return probabilities(apply_penalties(logits, self.history, self.cfg), self.cfg)
+    def _probs(self, logits: torch.Tensor, drafts: Sequence[int] = ()) -> torch.Tensor:
+        """The distributions of the next tokens: logits [V], or a verify's rows [k+1, V]
+        (row i follows the first i of `drafts`, so its penalties count them too)."""
+        if logits.dim() == 1 or not self.cfg.penalised:
+            return probabilities(apply_penalties(logits, self.history, self.cfg, self.prompt_ids),
+                                 self.cfg)
+        return torch.stack([
+            probabilities(apply_penalties(row, [*self.history, *drafts[:i]], self.cfg,
+                                          self.prompt_ids), self.cfg)
+            for i, row in enumerate(logits)])
 
     def draft(self, greedy: int, logits):
         if logits is None:
@@ -154,4 +187,4 @@ class SampledChoice:
             n = accept_greedy(drafts, greedy)
             return n, greedy[n]
         q = torch.stack(draft_probs) if draft_probs and draft_probs[0] is not None else None
-        return accept_drafts(drafts, self._probs(logits), q, self.cfg, self.generator)
+        return accept_drafts(drafts, self._probs(logits, drafts), q, self.cfg, self.generator)

@@ -28,6 +28,7 @@ class SamplingParams:
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0    # 1 for none (prompt and output tokens, vLLM's sense)
     seed: int | None = None
     logprobs: int = 0                  # top-n log-probabilities per token, 0 for none
 

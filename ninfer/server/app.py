@@ -155,7 +155,8 @@ def sampling(body: SamplingFields, prompt_len: int, settings: Settings, limit: i
         top_p=body.top_p if body.top_p is not None else 1.0,
         top_k=max(body.top_k or 0, 0), min_p=body.min_p or 0.0,
         presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0, seed=seed,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=body.repetition_penalty or 1.0, seed=seed,
         logprobs=0 if body.top_n is None else max(body.top_n, 1))
 
 

@@ -133,6 +133,10 @@ class SamplingFields(_Model):
     min_p: Probability | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
+    # not OpenAI's (vLLM's): logits of the prompt's and output's tokens divided (positive)
+    # or multiplied (negative) by it; 1 for none
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0, allow_inf_nan=False)] \
+        | None = None
     seed: Annotated[StrictInt, Field(ge=-(2**63), lt=2**64)] | None = None
     n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
     stop: StrictStr | Annotated[list[Annotated[StrictStr, Field(min_length=1)]],

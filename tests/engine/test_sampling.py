@@ -5,12 +5,15 @@ import pytest
 import torch
 
 from ninfer.engine.sampling import (
+    SampledChoice,
     SamplingConfig,
     accept_drafts,
     apply_penalties,
+    distinct,
     probabilities,
     top_logprobs,
 )
+from ninfer.lifecycle.request import SamplingParams
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0], dtype=torch.float64)
 
@@ -40,6 +43,31 @@ def test_penalties_lower_seen_tokens():
     out = apply_penalties(LOGITS, [1, 1, 3], SamplingConfig(presence_penalty=0.5,
                                                             frequency_penalty=0.25))
     assert out.tolist() == pytest.approx([2.0, 1.0 - 1.0, 0.5, -0.75, -1.0])
+
+
+def test_repetition_penalty_divides_seen_positive_logits_and_multiplies_negative_ones():
+    cfg = SamplingConfig(repetition_penalty=2.0)
+    out = apply_penalties(LOGITS, [4], cfg, prompt_ids=distinct([0, 3, 0]))
+    assert out.tolist() == pytest.approx([1.0, 1.0, 0.5, 0.0, -2.0])
+    assert apply_penalties(LOGITS, [], cfg).tolist() == LOGITS.tolist()
+    both = apply_penalties(LOGITS, [1, 1], SamplingConfig(presence_penalty=0.5,
+                                                          repetition_penalty=2.0))
+    assert both.tolist() == pytest.approx([2.0, 0.25, 0.5, 0.0, -1.0])  # (1 - 0.5) / 2
+
+
+def test_a_verify_rows_penalties_count_the_drafts_before_it():
+    """Row i of a verify round follows drafts[:i]: a draft the round already holds is
+    penalised in the rows after it, as it would be decoded one token at a time."""
+    params = SamplingParams(temperature=0.0, repetition_penalty=4.0)
+    choice = SampledChoice(params, history=[], prompt=[4])
+    rows = torch.tensor([[2.0, 1.0, 0.5, 0.0, 0.0],    # after the prompt: 0
+                         [2.0, 1.0, 0.5, 0.0, 0.0],    # after draft 0: 0 is seen, so 1
+                         [2.0, 1.5, 0.6, 0.0, 0.0]],   # after drafts 0, 1: 0 and 1 seen, 2
+                        dtype=torch.float64)
+    probs = choice._probs(rows, [0, 1])
+    assert probs.argmax(-1).tolist() == [0, 1, 2]
+    assert choice.accept([0, 1], None, rows, [None, None]) == (2, 2)
+    assert choice.accept([0, 0], None, rows, [None, None]) == (1, 1)
 
 
 def test_top_logprobs_are_sorted_log_probabilities():

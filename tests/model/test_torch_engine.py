@@ -158,3 +158,60 @@ def test_durable_endpoints_restore_the_torch_models_parts_exactly(spec, tmp_path
     ref, gaps = reference(turn2, 8)
     assert agree_until_tie(second.outputs, ref, gaps)
     h.engine.files.close()
+
+
+def _penalised_reference(prompt, max_tokens, penalty):
+    """Greedy tokens of full forwards with the repetition penalty applied by hand over the
+    prompt and the tokens so far, and the top-2 gap of each step's penalised logits."""
+    import torch
+
+    from ninfer.model.hybrid import HybridState
+    model = torch_factory(4, 4, 2)
+    seq, out, gaps = list(prompt), [], []
+    with torch.inference_mode():
+        for _ in range(max_tokens):
+            state = HybridState.initial(model.config, 1, torch.float64)
+            logits = model.net.forward(torch.tensor([seq]), torch.arange(len(seq))[None],
+                                       state).logits[0, -1].clone()
+            seen = torch.tensor(sorted(set(seq)))
+            logits[seen] = torch.where(logits[seen] > 0, logits[seen] / penalty,
+                                       logits[seen] * penalty)
+            top = logits.topk(2)
+            gaps.append(float(top.values[0] - top.values[1]))
+            out.append(int(top.indices[0]))
+            seq.append(out[-1])
+    return out, gaps
+
+
+@pytest.mark.parametrize("spec", ["none", "mtp", "ngram"])
+def test_repetition_penalty_counts_the_prompt_the_output_and_a_rounds_drafts(spec, monkeypatch):
+    """Greedy decoding with a repetition penalty equals a hand-penalised reference. A
+    drafter that knows the answer and errs on every third token makes verify rounds accept
+    several drafts: each row of a round is penalised for the drafts before it too."""
+    import dataclasses
+
+    from ninfer.engine.engine import Submit
+    from ninfer.lifecycle.request import SamplingParams
+    ref, gaps = _penalised_reference(PROMPT, 12, 3.0)
+    plain, _ = reference(PROMPT, 12)
+    assert ref != plain, "the penalty must change the answer for this test to say anything"
+    if spec != "none":
+        real_draft = Runner.draft
+
+        def oracle(self, lane, seq, frontier, k, choice):
+            real_draft(self, lane, seq, frontier, k, choice)
+            done = len(seq) - len(PROMPT)
+            drafts = list(ref[done:done + k])
+            return [t if (done + i) % 3 else (t + 1) % 97 for i, t in enumerate(drafts)], None
+
+        monkeypatch.setattr(Runner, "draft", oracle)
+    h = _harness(spec)
+    params = dataclasses.replace(SamplingParams(max_tokens=12), repetition_penalty=3.0)
+    h.engine.submit(Submit("rp", PROMPT, "s", "t", params))
+    h.run()
+    r = h.request("rp")
+    assert r.state == "Finished"
+    assert agree_until_tie(r.outputs, ref, gaps)
+    if spec != "none":
+        commits = [e for e in h.journal.read() if e.kind == "TokensCommitted" and e.drafted]
+        assert any(e.accepted >= 2 for e in commits)

@@ -52,6 +52,8 @@ FIELDS = [
     ("top_p above one", {"top_p": 1.5}, "top_p"),
     ("min_p above one", {"min_p": 2}, "min_p"),
     ("penalty out of range", {"presence_penalty": 3}, "presence_penalty"),
+    ("repetition penalty zero", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("repetition penalty too large", {"repetition_penalty": 1000}, "repetition_penalty"),
     ("max_tokens zero", {"max_tokens": 0}, "max_tokens"),
     ("max_tokens string", {"max_tokens": "10"}, "max_tokens"),
     ("max_tokens float", {"max_tokens": 1.5}, "max_tokens"),

@@ -210,6 +210,30 @@ def test_metrics_exposition(live):
         assert name in text
 
 
+def test_repetition_penalty_reaches_the_request_and_changes_its_tokens(live, client):
+    """vLLM's `repetition_penalty` (not OpenAI's) is taken, journaled with the request's
+    parameters, and applied. The random model's greedy reply rarely picks a token it has
+    seen, which a penalty above 1 pushes down; one below 1 pulls seen tokens up (a positive
+    logit divided by 0.05), so the reply changes."""
+    messages = [{"role": "user", "content": "Repeat after me: la la la la la"}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                           temperature=0, reasoning_effort="none")
+    penalised = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, reasoning_effort="none",
+        extra_body={"repetition_penalty": 0.05})
+    queued = [d for k, d, _ in live.events(penalised.id.split("-", 1)[1])
+              if k == "RequestQueued"]
+    assert queued[0]["params"]["repetition_penalty"] == 0.05
+    tokens = {}
+    for name, r in (("plain", plain), ("penalised", penalised)):
+        tokens[name] = [t for k, d, _ in live.events(r.id.split("-", 1)[1])
+                        if k == "TokensCommitted" for t in d["tokens"]]
+    assert tokens["plain"] != tokens["penalised"]
+    prompt = set(queued[0]["tokens"])
+    assert sum(t in prompt for t in tokens["penalised"]) > sum(t in prompt
+                                                               for t in tokens["plain"])
+
+
 def test_logprobs(live, client):
     # greedy: a sampled reply may draw the end-of-text token first (an unseeded draw once
     # did in CI) and end after one token
