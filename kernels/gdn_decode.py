@@ -46,7 +46,6 @@ def _gdn_decode_kernel(
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_INDEX: tl.constexpr, ALL_STATES: tl.constexpr, L2NORM: tl.constexpr,
     EPS: tl.constexpr, RAW_GATES: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
-    EVICT: tl.constexpr = "",
 ):
     pdl.launch_dependents(PDL)
     if not EARLY:
@@ -69,7 +68,7 @@ def _gdn_decode_kernel(
     # vector, not a scalar, in the mask: the interpreter rejects scalar & tensor masks)
     live = mkv & ((slot + offs_v * 0) >= 0)[None, :]
     p_s = state_ptr + slot * s_sn + h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :]
-    S = tl.load(p_s, mask=live, other=0.0, eviction_policy=EVICT).to(tl.float32)  # [BK, BV]
+    S = tl.load(p_s, mask=live, other=0.0).to(tl.float32)  # S: [BK, BV]
     if RAW_GATES:  # the gates' weights (never written by a kernel)
         dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
         a_rate = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
@@ -114,13 +113,8 @@ def _gdn_decode_kernel(
         if ALL_STATES:
             tl.store(p_a + t * s_at, S, mask=mkv)
     if not ALL_STATES:
-        tl.store(p_s + (dest - slot) * s_sn, S, mask=live, eviction_policy=EVICT)
+        tl.store(p_s + (dest - slot) * s_sn, S, mask=live)
 
-
-# The L2 eviction hint of a decode step's state loads and stores: "" (none, the default) or
-# "evict_last" (kept over the weights streaming through between steps); the engine bench's
-# `state_evict_b1` row times it
-STATE_EVICT = ""
 
 # (BV, num_warps) for calls that give neither; None: the rules of `_default_bv` and the
 # launch (the engine bench's `gdn_tile_b1` row times alternatives, `ninfer.bench.gpu_engine`)
@@ -223,7 +217,6 @@ def fused_recurrent_gated_delta_rule(
         HV=Hv, R=Hv // Hk, DK=Dk, DV=Dv, BK=triton.next_power_of_2(Dk), BV=BV,
         HAS_INDEX=state_indices is not None, ALL_STATES=all_states, L2NORM=use_qk_l2norm,
         EPS=L2_EPS, RAW_GATES=gates is not None, EARLY=early_state and not all_states,
-        EVICT=STATE_EVICT if not all_states else "",
         num_warps=num_warps, **pdl.launch(v),
     )
     return (o, out_states) if all_states else o

@@ -49,10 +49,6 @@ MAX_ROWS = 8
 # written only by earlier forwards or the host (`kernels.pdl`'s exception, as the GDN step's
 # `early_state`). False: after the wait, the benchmark's "before" (`ninfer.bench.gpu_engine`).
 EARLY_CONV = True
-# The L2 eviction hint of the one-step (decode) weight loads: "" (none, the default) or
-# "evict_first" (the step's state and KV stay over weights read once a step); the engine
-# bench's `weight_evict_b1` row times it
-WEIGHT_EVICT = ""
 
 
 class Tiles(NamedTuple):
@@ -200,7 +196,7 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
                    DOT: tl.constexpr, IEEE: tl.constexpr, SINGLE: tl.constexpr,
                    CONV: tl.constexpr, KC: tl.constexpr, KP: tl.constexpr,
                    ARGMAX: tl.constexpr, EARLY_CONV: tl.constexpr, FENCE: tl.constexpr,
-                   PDL: tl.constexpr, W_EVICT: tl.constexpr = ""):
+                   PDL: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     if not FENCE:  # (fenced: the kernels after this start once it has waited, `kernels.pdl`)
         pdl.launch_dependents(PDL)
@@ -213,11 +209,9 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
         ks1 = tl.arange(0, BK)
         km1 = ks1 < K
         w_ptrs = w_ptr + ns[:, None] * s_w + ks1[None, :]
-        wv1 = tl.load(w_ptrs, mask=nm[:, None] & km1[None, :], other=0.0,
-                      eviction_policy=W_EVICT)
+        wv1 = tl.load(w_ptrs, mask=nm[:, None] & km1[None, :], other=0.0)
         if GLU:  # the up row n sits N rows below the gate row n
-            wu1 = tl.load(w_ptrs + N * s_w, mask=nm[:, None] & km1[None, :], other=0.0,
-                          eviction_policy=W_EVICT)
+            wu1 = tl.load(w_ptrs + N * s_w, mask=nm[:, None] & km1[None, :], other=0.0)
         nw1 = _norm_weights(nw_ptr, ks1, km1, PROLOGUE, HEAD)  # weights too: before the wait
     if CONV and EARLY_CONV and not FENCE:  # a decode step's slot pool: written only by
         # earlier forwards (fenced: the kernel before may have just fetched the slots)
@@ -386,8 +380,7 @@ def _launch(x: Tensor, w: Tensor, *, prologue: int = NONE, norm_weight: Tensor |
         SINGLE=t.split == 1 and t.bk >= K, CONV=conv is not None,
         KC=cw.shape[1] if conv is not None else 2,
         KP=triton.next_power_of_2(cw.shape[1]) if conv is not None else 2,
-        ARGMAX=argmax is not None, EARLY_CONV=EARLY_CONV, W_EVICT=WEIGHT_EVICT if M == 1 else "",
-        num_warps=t.warps,
+        ARGMAX=argmax is not None, EARLY_CONV=EARLY_CONV, num_warps=t.warps,
         **pdl.launch(x, fenced=True))
     y = y.view(*x.shape[:-1], N)
     return (y, xn.view(x.shape)) if normed else y

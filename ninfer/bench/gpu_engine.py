@@ -17,10 +17,8 @@ transformers + fla on the same weights, each measured in the run that reports it
   zero-copy step's fence kept by its first GEMM or by a barrier
   (`kernels.pdl.FENCE_IN_KERNEL`), the attention's empty splits skipped or not at 64 and
   1K tokens of context (`kernels.paged_attention.SKIP_EMPTY`), the attention's tile for
-  wide heads at 64 and 4K (`kernels.decode_attention.WIDE_TILE`), the L2 eviction hints of
-  the GDN step's state (`kernels.gdn_decode.STATE_EVICT`) and of the skinny GEMMs' weights
-  (`kernels.skinny.WEIGHT_EVICT`), and the GDN step's value tile and warps
-  (`kernels.gdn_decode.TILE`). `skinny_rows`: a verify of 4 positions,
+  wide heads at 64 and 4K (`kernels.decode_attention.WIDE_TILE`), and the GDN step's value
+  tile and warps (`kernels.gdn_decode.TILE`). `skinny_rows`: a verify of 4 positions,
   batch-4 / 8 decode and MTP with drafts forced right, with GEMMs of up to 4 rows through
   cuBLAS or the skinny kernels (`kernels.SKINNY_ROWS`), in turn. `verify_in_place`: a
   verify of 4 positions gathering the GDN slots first or reading them in place.
@@ -259,10 +257,6 @@ def main(json_path: str | None = None, only: str | None = None) -> int:
             ("attention_tile_b1", decode_attention, "WIDE_TILE", {"32": 32, "16": 16}, 64),
             ("attention_tile_b1_4k", decode_attention, "WIDE_TILE", {"32": 32, "16": 16},
              4096),
-            ("state_evict_b1", gdn_decode, "STATE_EVICT",
-             {"none": "", "evict_last": "evict_last"}, 64),
-            ("weight_evict_b1", skinny, "WEIGHT_EVICT",
-             {"none": "", "evict_first": "evict_first"}, 64),
             ("gdn_tile_b1", gdn_decode, "TILE",
              {"bv32_4warps": None, "bv16_1warp": (16, 1), "bv8_1warp": (8, 1),
               "bv32_1warp": (32, 1)}, 64)):
