@@ -116,10 +116,6 @@ def _gdn_decode_kernel(
         tl.store(p_s + (dest - slot) * s_sn, S, mask=live)
 
 
-# The state of a step given `early_state` is loaded before the PDL wait (False: after it,
-# the engine bench's `early_state_b1` row)
-EARLY_STATE = True
-
 # (BV, num_warps) for calls that give neither; None: the rules of `_default_bv` and the
 # launch (the engine bench's `gdn_tile_b1` row times alternatives, `ninfer.bench.gpu_engine`)
 TILE: tuple[int, int] | None = None
@@ -220,8 +216,7 @@ def fused_recurrent_gated_delta_rule(
         *(gates[0].stride() + gates[1].stride() if gates is not None else (0,) * 6),
         HV=Hv, R=Hv // Hk, DK=Dk, DV=Dv, BK=triton.next_power_of_2(Dk), BV=BV,
         HAS_INDEX=state_indices is not None, ALL_STATES=all_states, L2NORM=use_qk_l2norm,
-        EPS=L2_EPS, RAW_GATES=gates is not None,
-        EARLY=early_state and not all_states and EARLY_STATE,
+        EPS=L2_EPS, RAW_GATES=gates is not None, EARLY=early_state and not all_states,
         num_warps=num_warps, **pdl.launch(v),
     )
     return (o, out_states) if all_states else o

@@ -186,20 +186,6 @@ def _conv_epilogue(y, old, after, wc, live, out, ns, ym, C, KC: tl.constexpr,
 
 
 @triton.jit
-def _prefetch_slots(pf_ptr, slot_ptr, rows, rm, pid_n, pf_bytes, pf_lines,
-                    PF_LINES: tl.constexpr):
-    """This program's PF_LINES 128-byte lines of each lane's slot in a pool (slot stride
-    pf_bytes, pf_lines lines a slot), prefetched into L2 (`prefetch.global.L2`)."""
-    slot = tl.load(slot_ptr + rows, mask=rm, other=-1).to(tl.int64)
-    j = pid_n * PF_LINES + tl.arange(0, PF_LINES)
-    ptrs = pf_ptr.to(tl.pointer_type(tl.int8)) + slot[:, None] * pf_bytes + j[None, :] * 128
-    ok = (rm & (slot >= 0))[:, None] & (j < pf_lines)[None, :]
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cnt_ptr,
                    conv_ptr, slot_ptr, dest_ptr, cw_ptr, keys_ptr,
                    M, N, K, s_x, s_w, s_y, s_r, s_z, s_zh, s_xn, eps, offset,
@@ -210,7 +196,7 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
                    DOT: tl.constexpr, IEEE: tl.constexpr, SINGLE: tl.constexpr,
                    CONV: tl.constexpr, KC: tl.constexpr, KP: tl.constexpr,
                    ARGMAX: tl.constexpr, EARLY_CONV: tl.constexpr, FENCE: tl.constexpr,
-                   PDL: tl.constexpr, pf_ptr, pf_bytes, pf_lines, PF_LINES: tl.constexpr):
+                   PDL: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     if not FENCE:  # (fenced: the kernels after this start once it has waited, `kernels.pdl`)
         pdl.launch_dependents(PDL)
@@ -227,8 +213,6 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, z_ptr, xn_ptr, ws_ptr, cn
         if GLU:  # the up row n sits N rows below the gate row n
             wu1 = tl.load(w_ptrs + N * s_w, mask=nm[:, None] & km1[None, :], other=0.0)
         nw1 = _norm_weights(nw_ptr, ks1, km1, PROLOGUE, HEAD)  # weights too: before the wait
-    if PF_LINES > 0:  # the lanes' slots of another pool (the GDN step's state) asked of L2
-        _prefetch_slots(pf_ptr, slot_ptr, rows, rm, pid_n, pf_bytes, pf_lines, PF_LINES)
     if CONV and EARLY_CONV and not FENCE:  # a decode step's slot pool: written only by
         # earlier forwards (fenced: the kernel before may have just fetched the slots)
         old, after, wc, live, out = _conv_tails(conv_ptr, slot_ptr, dest_ptr, cw_ptr, rows, rm,
@@ -353,8 +337,7 @@ def _launch(x: Tensor, w: Tensor, *, prologue: int = NONE, norm_weight: Tensor |
             eps: float = 0.0, offset: float = 1.0, z: Tensor | None = None, head: int = 1,
             glu: bool = False, residual: Tensor | None = None, normed: bool = False,
             conv: tuple[Tensor, ...] | None = None, argmax: Tensor | None = None,
-            tiles: Tiles | None = None, prefetch: Tensor | None = None
-            ) -> Tensor | tuple[Tensor, Tensor]:
+            tiles: Tiles | None = None) -> Tensor | tuple[Tensor, Tensor]:
     K = x.shape[-1]
     N = w.shape[0] // 2 if glu else w.shape[0]
     x2 = _rows(x)
@@ -398,7 +381,6 @@ def _launch(x: Tensor, w: Tensor, *, prologue: int = NONE, norm_weight: Tensor |
         KC=cw.shape[1] if conv is not None else 2,
         KP=triton.next_power_of_2(cw.shape[1]) if conv is not None else 2,
         ARGMAX=argmax is not None, EARLY_CONV=EARLY_CONV, num_warps=t.warps,
-        **_prefetch_args(prefetch, conv, grid_n, x),
         **pdl.launch(x, fenced=True))
     y = y.view(*x.shape[:-1], N)
     return (y, xn.view(x.shape)) if normed else y
@@ -421,20 +403,6 @@ def _conv_args(conv, M: int, N: int, glu: bool, residual
     return pool, slots, dests, cw
 
 
-def _prefetch_args(pool: Tensor | None, conv, grid_n: int, x: Tensor) -> dict:
-    """The kernel's arguments for prefetching the conv lanes' slots of `pool` (the GDN
-    step's recurrent states) into L2, spread over the grid's programs; none off the GPU
-    (the interpreter runs no PTX)."""
-    if pool is None or conv is None or not x.is_cuda:
-        return {"pf_ptr": x, "pf_bytes": 0, "pf_lines": 0, "PF_LINES": 0}
-    slot_bytes = pool[0].numel() * pool.element_size()
-    if not pool[0].is_contiguous() or slot_bytes % 128:
-        raise ValueError("prefetch takes a pool of contiguous slots of whole 128-byte lines")
-    lines = slot_bytes // 128
-    return {"pf_ptr": pool, "pf_bytes": pool.stride(0) * pool.element_size(),
-            "pf_lines": lines, "PF_LINES": triton.next_power_of_2(triton.cdiv(lines, grid_n))}
-
-
 def linear(x: Tensor, w: Tensor, residual: Tensor | None = None, *, glu: bool = False,
            tiles: Tiles | None = None) -> Tensor:
     """x [..., K] @ w[N, K]^T (+ residual [..., N]), in x's dtype; `glu`: w is [gate; up]
@@ -445,8 +413,7 @@ def linear(x: Tensor, w: Tensor, residual: Tensor | None = None, *, glu: bool = 
 def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, w: Tensor, *, glu: bool = False,
                 normed: bool = False, offset: float = 1.0,
                 conv: tuple[Tensor, ...] | None = None, argmax: Tensor | None = None,
-                tiles: Tiles | None = None, prefetch: Tensor | None = None
-                ) -> Tensor | tuple[Tensor, Tensor]:
+                tiles: Tiles | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """rms_norm(x) @ w^T; `glu`: w is [gate; up] and the result silu(gate) * up; `normed`:
     (y, the normed x) is returned. `conv=(pool, slots, weight [C, K])`: y's first C
     columns go through the causal conv with SiLU of one new input per row, row r
@@ -457,12 +424,9 @@ def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, w: Tensor, *, glu: b
     kernel that keeps a fence, `kernels.pdl`): nothing launched in the same forward may
     write them (a decode step's slot pool).
     `argmax`: int64 [rows], each row's greedy key over y (`kernels.greedy`) folded in by
-    atomic max (reset it to KEY_NONE first; the LM head's greedy token on the device).
-    `prefetch` (with conv, on the GPU): a pool of slots (the GDN step's recurrent states)
-    whose lanes' slots the programs ask L2 for before the PDL wait."""
+    atomic max (reset it to KEY_NONE first; the LM head's greedy token on the device)."""
     return _launch(x, w, prologue=RMS, norm_weight=norm_weight, eps=eps, offset=offset,
-                   glu=glu, normed=normed, conv=conv, argmax=argmax, tiles=tiles,
-                   prefetch=prefetch)
+                   glu=glu, normed=normed, conv=conv, argmax=argmax, tiles=tiles)
 
 
 def gated_norm_linear(x: Tensor, z: Tensor, norm_weight: Tensor, eps: float, w: Tensor,

@@ -246,8 +246,6 @@ def main(json_path: str | None = None, only: str | None = None) -> int:
         lambda settings: _recaptured(b, warm(lambda: b.decode(1, tokens=DECODE_TOKENS)),
                                      **settings))))
     from kernels import decode_attention, gdn_decode, paged_attention, pdl, skinny
-
-    from ..model import gdn as gdn_model
     for row, module, name, variants, context in (
             ("early_conv_b1", skinny, "EARLY_CONV", {"after_wait": False, "before_wait": True},
              64),
@@ -259,9 +257,6 @@ def main(json_path: str | None = None, only: str | None = None) -> int:
             ("attention_tile_b1", decode_attention, "WIDE_TILE", {"32": 32, "16": 16}, 64),
             ("attention_tile_b1_4k", decode_attention, "WIDE_TILE", {"32": 32, "16": 16},
              4096),
-            ("early_state_b1", gdn_decode, "EARLY_STATE",
-             {"before_wait": True, "after_wait": False}, 64),
-            ("state_prefetch_b1", gdn_model, "PREFETCH_STATE", {"off": False, "on": True}, 64),
             ("gdn_tile_b1", gdn_decode, "TILE",
              {"bv32_4warps": None, "bv16_1warp": (16, 1), "bv8_1warp": (8, 1),
               "bv32_1warp": (32, 1)}, 64)):

@@ -71,10 +71,6 @@ class SlotGDNState:
 # A verify on the GPU reads the lanes' slot pools in place (False: gathers them first, the
 # benchmark's "before": the `verify_in_place` row of `ninfer.bench.gpu_engine`)
 VERIFY_IN_PLACE = True
-# A decode step's in-projection asks L2 for the lanes' recurrent states before its PDL wait,
-# so that the GDN step, whose programs start only as the projection's leave the SMs, reads
-# them from L2 (an experiment: the `state_prefetch_b1` row of `ninfer.bench.gpu_engine`)
-PREFETCH_STATE = False
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -120,7 +116,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(vd, h, bias=False)
 
     def _project(self, x: Tensor, norm: RMSNorm | None = None, conv: tuple | None = None,
-                 prefetch: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """x [B, T, hidden] (normed by `norm` first, if given) -> qkv [B, T, conv_dim]
         (q, k, v flat, in that order), z [B, T, Hv, Dv], b, a [B, T, Hv]. `conv`: the
         skinny GEMM's conv epilogue (`skinny.norm_linear`'s; a skinny GEMM with `norm` only)."""
@@ -134,8 +130,7 @@ class GatedDeltaNet(nn.Module):
         if kernels_for(x) is not None:  # one GEMM into [q | k | v | z | b | a], views of it
             w = self._packed()
             y = F.linear(x, w) if skinny is None else skinny.linear(x, w) if norm is None \
-                else skinny.norm_linear(x, norm.weight, norm.eps, w, conv=conv,
-                                        prefetch=prefetch)
+                else skinny.norm_linear(x, norm.weight, norm.eps, w, conv=conv)
             C, vd = 2 * Hk * Dk + Hv * Dv, Hv * Dv
             return (y[..., :C], y[..., C:C + vd].view(B, T, Hv, Dv),
                     y[..., C + vd:C + vd + Hv], y[..., C + vd + Hv:])
@@ -287,8 +282,7 @@ class GatedDeltaNet(nn.Module):
         if norm is not None and skinny_for(x) is not None:
             # one row: the conv folds into the in-projection's GEMM (one launch fewer)
             conv_out, z, b, a = self._project(x, norm, conv=(
-                state.conv_pool, state.slots, weight, dests),
-                prefetch=state.rec_pool if PREFETCH_STATE else None)
+                state.conv_pool, state.slots, weight, dests))
         else:
             qkv, z, b, a = self._project(x, norm)  # qkv: [B, 1, conv_dim]
             conv_out = dev.conv(qkv.transpose(1, 2), state.conv_pool, weight,
