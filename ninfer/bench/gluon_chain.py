@@ -22,7 +22,8 @@ in-projection 6144 x 1024; out 1024 x 2048 + residual; rms norm + gate/up 2 x 30
 with SwiGLU; down 1024 x 3072 + residual), in a CUDA graph with PDL, against the decode
 path's kernels (`kernels.skinny`) in the same run, under a few tilings, each result
 checked against the chain's; and the chain's two parts alone: streaming the weights (the
-same kernels without their waits) and the 96 boundaries (empty PDL kernels).
+same kernels without their waits) and the 96 boundaries (empty PDL kernels); and the same
+bytes read by plain read kernels (the card's read bandwidth, against its copy bandwidth).
 """
 
 from __future__ import annotations
@@ -272,6 +273,26 @@ class Chain:
         return h[-1]
 
 
+@gluon.jit
+def _read_kernel(w_ptr, out_ptr, n, BLOCK: gl.constexpr, WARPS: gl.constexpr):
+    """The card's read bandwidth: each program sums a contiguous block of n bf16 values."""
+    lay: gl.constexpr = gl.BlockedLayout([8], [32], [WARPS], [0])
+    offs = gl.program_id(0).to(gl.int64) * BLOCK + gl.arange(0, BLOCK, lay)
+    v = gl.load(w_ptr + offs, mask=offs < n, other=0.0).to(gl.float32)
+    gl.store(out_ptr + gl.program_id(0), gl.sum(v, axis=0))
+
+
+def _read_us(w: dict) -> float:
+    """Microseconds to read the chain's weights once, one plain read kernel a tensor."""
+    block = 16384  # 32 KB a program
+    weights = [w[k] for k in ("wa", "wb", "wc", "wd")]
+    out = torch.empty(max(v.numel() // block + 1 for v in weights), device=weights[0].device)
+    return _graph_us(lambda: [
+        _read_kernel[(triton.cdiv(v.numel(), block),)](v, out, v.numel(), BLOCK=block,
+                                                       WARPS=8, num_warps=8)
+        for v in weights])
+
+
 def main(json_path: str | None = None) -> int:
     device = torch.device("cuda")
     w = _weights(device)
@@ -318,7 +339,10 @@ def main(json_path: str | None = None) -> int:
     r["boundaries_us"] = _graph_us(lambda: [
         _empty_kernel[(programs[i % 4],)](sink, WARPS=4, num_warps=4, launch_pdl=True)
         for i in range(4 * LAYERS)])
-    print({k: r[k] for k in ("roofline_us", "streaming_us", "boundaries_us")}, file=sys.stderr)
+    r["read_us"] = _read_us(w)  # the same bytes by a plain read kernel: the read roofline
+    r["read_TBps"] = weight_bytes / (r["read_us"] * 1e-6) / 1e12
+    print({k: r[k] for k in ("roofline_us", "read_us", "read_TBps", "streaming_us",
+                             "boundaries_us")}, file=sys.stderr)
     r["reference_max_abs"] = ref.abs().max().item()
     write_line({"bench": "gpu-gluon-chain", "results": r}, json_path)
     return 1 if bad else 0
