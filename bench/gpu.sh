@@ -5,7 +5,7 @@
 # benchmarks, writing JSON results to $OUT (or bench/results/ when OUT is unset).
 #
 #   bench/gpu.sh [kernels] [engine] [baseline] [skinny] [gdn-sweep] [profile] [persistent]
-#                [gluon]
+#                [gluon] [gluon-persistent]
 #                (default: the first three)
 #
 # Wheels to carry (pip download --no-deps on a machine with network): fla-core,
@@ -51,6 +51,9 @@ for stage in $stages; do
         ;;
     gluon)  # the same GEMMs with their weights staged in shared memory (cp.async / TMA)
         python3 -m ninfer.bench.gluon_chain "$OUT/gluon-chain-h200.json" || status=1
+        ;;
+    gluon-persistent)  # one warp-specialised persistent kernel: a TMA loader, grid barriers
+        python3 -m ninfer.bench.gluon_persistent "$OUT/gluon-persistent-h200.json" || status=1
         ;;
     baseline)
         python3 -c "from ninfer.bench.gpu_engine import baseline; raise SystemExit(baseline('$OUT/baseline-h200.json'))" || status=1
