@@ -11,8 +11,9 @@ from .speculative import accept_greedy
 
 
 class Choice(Protocol):
-    def draft(self, greedy: int, logits: Any) -> tuple[int, Any]:
-        """A draft token and the distribution it was drawn from (None: a point mass)."""
+    def draft(self, greedy: int, logits: Any, before: Sequence[int] = ()) -> tuple[int, Any]:
+        """A draft token and the distribution it was drawn from (None: a point mass);
+        `before`: the round's drafts before it."""
 
     def next(self, greedy: int, logits: Any) -> int:
         """The token after a prefill (the first token)."""
@@ -23,7 +24,7 @@ class Choice(Protocol):
 
 
 class GreedyChoice:
-    def draft(self, greedy: int, logits: Any) -> tuple[int, Any]:
+    def draft(self, greedy: int, logits: Any, before: Sequence[int] = ()) -> tuple[int, Any]:
         return greedy, None
 
     def next(self, greedy: int, logits: Any) -> int:

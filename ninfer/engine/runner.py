@@ -248,7 +248,7 @@ class Runner:
         for j in range(k):
             if j:  # chained: entries written here are overwritten after verify
                 last = self.model.mtp(lane, frontier + j - 1, last.hidden, drafts[-1])
-            token, q = choice.draft(last.token, last.logits)
+            token, q = choice.draft(last.token, last.logits, drafts)
             drafts.append(token)
             probs.append(q)
         return drafts, probs

@@ -162,8 +162,12 @@ class SampledChoice:
             self.generator.seed()
 
     def _probs(self, logits: torch.Tensor, drafts: Sequence[int] = ()) -> torch.Tensor:
-        """The distributions of the next tokens: logits [V], or a verify's rows [k+1, V]
-        (row i follows the first i of `drafts`, so its penalties count them too)."""
+        """The distributions of the next tokens: logits [V] following the output and then
+        `drafts`, or a verify's rows [k+1, V] (row i follows the first i of `drafts`): the
+        penalties count the drafts before each position too."""
+        if logits.dim() == 1 and self.cfg.penalised:
+            return probabilities(apply_penalties(logits, [*self.history, *drafts], self.cfg,
+                                                 self.prompt_ids), self.cfg)
         if logits.dim() == 1 or not self.cfg.penalised:
             return probabilities(apply_penalties(logits, self.history, self.cfg, self.prompt_ids),
                                  self.cfg)
@@ -172,10 +176,10 @@ class SampledChoice:
                                           self.prompt_ids), self.cfg)
             for i, row in enumerate(logits)])
 
-    def draft(self, greedy: int, logits):
+    def draft(self, greedy: int, logits, before: Sequence[int] = ()):
         if logits is None:
             return greedy, None
-        q = self._probs(logits)
+        q = self._probs(logits, before)
         return draw(q, self.generator), q
 
     def next(self, greedy: int, logits) -> int:

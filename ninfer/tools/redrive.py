@@ -226,7 +226,7 @@ class ForcedChoice:
         self.tally[1] += 1
         return self.recorded[i]
 
-    def draft(self, greedy: int, logits: Any) -> tuple[int, Any]:
+    def draft(self, greedy: int, logits: Any, before=()) -> tuple[int, Any]:
         return greedy, None
 
     def next(self, greedy: int, logits: Any) -> int:

@@ -68,6 +68,9 @@ def test_a_verify_rows_penalties_count_the_drafts_before_it():
     assert probs.argmax(-1).tolist() == [0, 1, 2]
     assert choice.accept([0, 1], None, rows, [None, None]) == (2, 2)
     assert choice.accept([0, 0], None, rows, [None, None]) == (1, 1)
+    # a draft drawn after draft 0 of the same round is penalised for it too
+    assert choice.draft(None, rows[1], [0])[0] == 1
+    assert choice.draft(None, rows[1])[0] == 0
 
 
 def test_top_logprobs_are_sorted_log_probabilities():
