@@ -232,7 +232,7 @@ def create_app(server: Server) -> FastAPI:
             check_ready()
             body = validate(ChatRequest if chat else CompletionRequest, data)
             check_model(body.model)
-            stop_ids = server.tokenizer.special.stop_ids
+            stop_ids = stop_tokens(server, body)
             session = sessions.session_key(request.headers, body,
                                            derive=server.settings.derive_session_keys)
             tenant = sessions.tenant(api_key, body.cache_salt)
@@ -312,6 +312,15 @@ def create_app(server: Server) -> FastAPI:
         return JSONResponse({"evicted": count})
 
     return app
+
+
+def stop_tokens(server: Server, body: SamplingFields) -> frozenset[int]:
+    """The token ids that end a reply: the model's end-of-text ones (none with
+    `ignore_eos`) and the request's `stop_token_ids`."""
+    extra = frozenset(body.stop_token_ids or ())
+    if any(t >= server.vocab_size for t in extra):
+        raise bad_request(f"token ids must be in [0, {server.vocab_size})", "stop_token_ids")
+    return extra | (frozenset() if body.ignore_eos else server.tokenizer.special.stop_ids)
 
 
 def completion_ids(server: Server, body: CompletionRequest) -> list[int]:

@@ -141,6 +141,10 @@ class SamplingFields(_Model):
     n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
     stop: StrictStr | Annotated[list[Annotated[StrictStr, Field(min_length=1)]],
                                 Field(max_length=4)] | None = None
+    # not OpenAI's (vLLM's): more tokens that end the reply, and no stop at end-of-text
+    stop_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]],
+                              Field(max_length=64)] | None = None
+    ignore_eos: StrictBool = False
     user: StrictStr | None = None
     session_id: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
     cache_salt: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None

@@ -54,6 +54,9 @@ FIELDS = [
     ("penalty out of range", {"presence_penalty": 3}, "presence_penalty"),
     ("repetition penalty zero", {"repetition_penalty": 0}, "repetition_penalty"),
     ("repetition penalty too large", {"repetition_penalty": 1000}, "repetition_penalty"),
+    ("negative stop token id", {"stop_token_ids": [-1]}, "stop_token_ids.0"),
+    ("stop token id not an int", {"stop_token_ids": ["a"]}, "stop_token_ids.0"),
+    ("ignore_eos not bool", {"ignore_eos": "yes"}, "ignore_eos"),
     ("max_tokens zero", {"max_tokens": 0}, "max_tokens"),
     ("max_tokens string", {"max_tokens": "10"}, "max_tokens"),
     ("max_tokens float", {"max_tokens": 1.5}, "max_tokens"),
@@ -132,6 +135,8 @@ def test_completions_errors(live):
     check_shape(r, 400)
     r = httpx.post(live.url + "/v1/completions", json={"prompt": "x", "logit_bias": {"7": 5}})
     assert check_shape(r, 400)["param"] == "logit_bias"
+    r = httpx.post(live.url + "/v1/completions", json={"prompt": "x", "stop_token_ids": [10**9]})
+    assert check_shape(r, 400)["param"] == "stop_token_ids"
 
 
 def test_unknown_model_route_and_method(live):

@@ -234,6 +234,33 @@ def test_repetition_penalty_reaches_the_request_and_changes_its_tokens(live, cli
                                                                for t in tokens["plain"])
 
 
+def test_stop_token_ids_end_the_reply_and_ignore_eos_drops_end_of_text(live, client):
+    """vLLM's `stop_token_ids` end a reply at the first of them (hidden from its text, as
+    end-of-text is); `ignore_eos` leaves the model's end-of-text ids out of the stops."""
+    def tokens(r):
+        return [t for k, d, _ in live.events(r.id.split("-", 1)[1]) if k == "TokensCommitted"
+                for t in d["tokens"]]
+
+    def stops(r):
+        queued = [d for k, d, _ in live.events(r.id.split("-", 1)[1]) if k == "RequestQueued"]
+        return set(queued[0]["params"]["stop_tokens"])
+
+    plain = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8,
+                                      temperature=0)
+    out = tokens(plain)
+    cut = next(i for i, t in enumerate(out) if t not in out[:i] and i >= 2)
+    stopped = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8,
+                                        temperature=0, extra_body={"stop_token_ids": [out[cut]]})
+    assert tokens(stopped) == out[:cut + 1]
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == live.server.tokenizer.decode(out[:cut])
+    eos = stops(plain)
+    assert eos and out[cut] not in eos
+    free = client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0,
+                                     extra_body={"ignore_eos": True, "stop_token_ids": [7]})
+    assert stops(free) == {7}
+
+
 def test_logprobs(live, client):
     # greedy: a sampled reply may draw the end-of-text token first (an unseeded draw once
     # did in CI) and end after one token
