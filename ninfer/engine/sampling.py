@@ -165,11 +165,11 @@ class SampledChoice:
         """The distributions of the next tokens: logits [V] following the output and then
         `drafts`, or a verify's rows [k+1, V] (row i follows the first i of `drafts`): the
         penalties count the drafts before each position too."""
-        if logits.dim() == 1 and self.cfg.penalised:
-            return probabilities(apply_penalties(logits, [*self.history, *drafts], self.cfg,
-                                                 self.prompt_ids), self.cfg)
-        if logits.dim() == 1 or not self.cfg.penalised:
-            return probabilities(apply_penalties(logits, self.history, self.cfg, self.prompt_ids),
+        if not self.cfg.penalised:
+            return probabilities(logits, self.cfg)
+        if logits.dim() == 1:
+            history = [*self.history, *drafts] if drafts else self.history
+            return probabilities(apply_penalties(logits, history, self.cfg, self.prompt_ids),
                                  self.cfg)
         return torch.stack([
             probabilities(apply_penalties(row, [*self.history, *drafts[:i]], self.cfg,
