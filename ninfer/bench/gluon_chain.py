@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .persistent import EPS, HIDDEN, IN_ROWS, INTER, LAYERS, _chain, _graph_us, _weights
+from .persistent import EPS, HIDDEN, IN_ROWS, INTER, LAYERS, _chain, _graph_us, setup
 from .report import write_line
 
 # Triton 3.6's names (the GPU machine's) for cp.async into shared memory and a program's
@@ -295,14 +295,8 @@ def _read_us(w: dict) -> float:
 
 def main(json_path: str | None = None) -> int:
     device = torch.device("cuda")
-    w = _weights(device)
-    h0 = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    h0 = h0.to(device)
-    weight_bytes = sum(v.numel() * v.element_size() for k, v in w.items() if k[0] == "w")
-    src = torch.empty(2 ** 28, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    copy_tbps = 2 * src.numel() / (_graph_us(lambda: dst.copy_(src), 20) * 1e-6) / 1e12
-    ref = _chain(w, h0.clone()).view(-1)
+    w, h0, weight_bytes, copy_tbps, ref = setup(device)
+    ref = ref.view(-1)
     hc = h0.clone()
     r = {"device": torch.cuda.get_device_name(), "gemms": 4 * LAYERS,
          "weight_bytes": weight_bytes, "copy_TBps": copy_tbps,

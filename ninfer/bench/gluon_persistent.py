@@ -27,7 +27,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .persistent import EPS, HIDDEN, IN_ROWS, INTER, LAYERS, OUT_K, _chain, _graph_us, _weights
+from .persistent import EPS, HIDDEN, IN_ROWS, INTER, LAYERS, OUT_K, _chain, _graph_us, setup
 from .report import write_line
 
 P = 128  # programs, one an SM: 6144 / 128 = 48 in-projection rows, 24 of gate and of up, 8
@@ -47,6 +47,19 @@ def _stage(it, ring, full, empty, nbytes, NS: gl.constexpr):
 
 
 @gluon.jit
+def _load_rows8(desc, row, PER: gl.constexpr, it, ring, full, empty, NS: gl.constexpr):
+    """8 rows of 2 * PER * KC columns in 2 stages of PER [8, KC] blocks; the stage count
+    after."""
+    for s in gl.static_range(2):
+        buf, bar = _stage(it, ring, full, empty, PER * 8 * 256 * 2, NS)
+        for j in gl.static_range(PER):
+            tma.async_copy_global_to_shared(desc, [row, (PER * s + j) * KC], bar,
+                                            buf.slice(8 * j, 8))
+        it += 1
+    return it
+
+
+@gluon.jit
 def _loader(descs, ring, full, empty, L, pid, NS: gl.constexpr):
     """Every stage of every layer, in the order the computing warps take them. Boxes are
     powers of two rows: 48 = 32 + 16 (in-projection), 24 = 16 + 8 (gate, up)."""
@@ -59,13 +72,8 @@ def _loader(descs, ring, full, empty, L, pid, NS: gl.constexpr):
             tma.async_copy_global_to_shared(wa32, [row, c * KC], bar, buf.slice(0, 32))
             tma.async_copy_global_to_shared(wa16, [row + 32, c * KC], bar, buf.slice(32, 16))
             it += 1
-        row = layer * 1024 + pid * 8  # out: 8 rows x 2048, 4 column blocks a stage
-        for s in gl.static_range(2):
-            buf, bar = _stage(it, ring, full, empty, 4 * 8 * 256 * 2, NS)
-            for j in gl.static_range(4):
-                tma.async_copy_global_to_shared(wb8, [row, (4 * s + j) * KC], bar,
-                                                buf.slice(8 * j, 8))
-            it += 1
+        # out: 8 rows x 2048, 4 column blocks a stage
+        it = _load_rows8(wb8, layer * 1024 + pid * 8, 4, it, ring, full, empty, NS)
         row = layer * 6144 + pid * 24  # gate rows at 0, up rows (3072 below) at 32
         for c in gl.static_range(4):
             buf, bar = _stage(it, ring, full, empty, 48 * 256 * 2, NS)
@@ -75,13 +83,8 @@ def _loader(descs, ring, full, empty, L, pid, NS: gl.constexpr):
                 tma.async_copy_global_to_shared(wc8, [row + part * 3072 + 16, c * KC], bar,
                                                 buf.slice(32 * part + 16, 8))
             it += 1
-        row = layer * 1024 + pid * 8  # down: 8 rows x 3072, 6 column blocks a stage
-        for s in gl.static_range(2):
-            buf, bar = _stage(it, ring, full, empty, 6 * 8 * 256 * 2, NS)
-            for j in gl.static_range(6):
-                tma.async_copy_global_to_shared(wd8, [row, (6 * s + j) * KC], bar,
-                                                buf.slice(8 * j, 8))
-            it += 1
+        # down: 8 rows x 3072, 6 column blocks a stage
+        it = _load_rows8(wd8, layer * 1024 + pid * 8, 6, it, ring, full, empty, NS)
 
 
 @gluon.jit
@@ -150,6 +153,27 @@ def _swiglu(g, u):
 
 
 @gluon.jit
+def _residual_rows(x_ptr, h_ptr, x_s, ring, full, empty, it, pid, PER: gl.constexpr,
+                   NS: gl.constexpr, WARPS: gl.constexpr):
+    """h[the program's 8 rows] += W x, x of 2 * PER * KC values, W's slice in 2 stages of PER
+    [8, KC] blocks (out: PER 4; down: 6). Returns the stage count after."""
+    l24: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
+    r24: gl.constexpr = gl.SliceLayout(1, l24)
+    _stage_x(x_ptr, x_ptr, x_s, 0.0, 2 * PER * 256, False, WARPS)
+    r = pid * 8 + gl.arange(0, 8, r24)
+    hr = gl.load(h_ptr + r).to(gl.float32)
+    acc = gl.zeros([8], gl.float32, r24)
+    for s in gl.static_range(2):
+        i = _take(it, full, NS)
+        for j in gl.static_range(PER):
+            acc += _dot(ring.index(i).slice(8 * j, 8), _x(x_s, PER * s + j, l24), l24)
+        mbarrier.arrive(empty.index(i), count=1)
+        it += 1
+    gl.store(h_ptr + r, (hr + acc.to(gl.bfloat16).to(gl.float32)).to(gl.bfloat16))
+    return it
+
+
+@gluon.jit
 def _compute(h_ptr, y_ptr, u_ptr, na_ptr, nc_ptr, cnt_ptr, err_ptr, eps, L, pid, ring, full,
              empty, x_s, NS: gl.constexpr, P: gl.constexpr, WARPS: gl.constexpr,
              BARRIERS: gl.constexpr, BACKOFF: gl.constexpr):
@@ -172,18 +196,7 @@ def _compute(h_ptr, y_ptr, u_ptr, na_ptr, nc_ptr, cnt_ptr, err_ptr, eps, L, pid,
         gl.store(y_ptr + pid * 48 + 32 + gl.arange(0, 16, r24), acc1.to(gl.bfloat16))
         _grid_sync(cnt_ptr, err_ptr, P, BARRIERS, BACKOFF)
         # out: h[8 rows] += W_b y[:2048]
-        _stage_x(y_ptr, y_ptr, x_s, eps, 2048, False, WARPS)
-        r = pid * 8 + gl.arange(0, 8, r24)
-        hr = gl.load(h_ptr + r).to(gl.float32)
-        acc = gl.zeros([8], gl.float32, r24)
-        for s in gl.static_range(2):
-            i = _take(it, full, NS)
-            for j in gl.static_range(4):
-                xv = _x(x_s, 4 * s + j, l24)
-                acc += _dot(ring.index(i).slice(8 * j, 8), xv, l24)
-            mbarrier.arrive(empty.index(i), count=1)
-            it += 1
-        gl.store(h_ptr + r, (hr + acc.to(gl.bfloat16).to(gl.float32)).to(gl.bfloat16))
+        it = _residual_rows(y_ptr, h_ptr, x_s, ring, full, empty, it, pid, 4, NS, WARPS)
         _grid_sync(cnt_ptr, err_ptr, P, BARRIERS, BACKOFF)
         # gate/up: u[24 rows] = silu(W_g rms(h)) * W_u rms(h)
         _stage_x(h_ptr, nc_ptr + layer * 1024, x_s, eps, 1024, True, WARPS)
@@ -204,18 +217,7 @@ def _compute(h_ptr, y_ptr, u_ptr, na_ptr, nc_ptr, cnt_ptr, err_ptr, eps, L, pid,
         gl.store(u_ptr + pid * 24 + 16 + gl.arange(0, 8, r24), _swiglu(g8, u8))
         _grid_sync(cnt_ptr, err_ptr, P, BARRIERS, BACKOFF)
         # down: h[8 rows] += W_d u
-        _stage_x(u_ptr, u_ptr, x_s, eps, 3072, False, WARPS)
-        r = pid * 8 + gl.arange(0, 8, r24)
-        hr = gl.load(h_ptr + r).to(gl.float32)
-        acc = gl.zeros([8], gl.float32, r24)
-        for s in gl.static_range(2):
-            i = _take(it, full, NS)
-            for j in gl.static_range(6):
-                xv = _x(x_s, 6 * s + j, l24)
-                acc += _dot(ring.index(i).slice(8 * j, 8), xv, l24)
-            mbarrier.arrive(empty.index(i), count=1)
-            it += 1
-        gl.store(h_ptr + r, (hr + acc.to(gl.bfloat16).to(gl.float32)).to(gl.bfloat16))
+        it = _residual_rows(u_ptr, h_ptr, x_s, ring, full, empty, it, pid, 6, NS, WARPS)
         _grid_sync(cnt_ptr, err_ptr, P, BARRIERS, BACKOFF)
 
 
@@ -253,14 +255,8 @@ def _descriptors(w: dict) -> tuple:
 def main(json_path: str | None = None) -> int:
     device = torch.device("cuda")
     assert (IN_ROWS, HIDDEN, INTER, OUT_K) == (6144, 1024, 3072, 2048)
-    w = _weights(device)
-    h0 = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    h0 = h0.to(device)
-    weight_bytes = sum(v.numel() * v.element_size() for k, v in w.items() if k[0] == "w")
-    src = torch.empty(2 ** 28, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    copy_tbps = 2 * src.numel() / (_graph_us(lambda: dst.copy_(src), 20) * 1e-6) / 1e12
-    ref = _chain(w, h0.clone()).view(-1)
+    w, h0, weight_bytes, copy_tbps, ref = setup(device)
+    ref = ref.view(-1)
     hc = h0.clone()
     descs = _descriptors(w)
     y = torch.zeros(IN_ROWS, dtype=torch.bfloat16, device=device)

@@ -193,19 +193,25 @@ def _graph_us(fn, reps: int = 50) -> float:
     return graph_ms(fn, steps=1, replays=reps, runs=5) * 1000
 
 
-def main(json_path: str | None = None) -> int:
-    device = torch.device("cuda")
+def setup(device: torch.device) -> tuple[dict, torch.Tensor, int, float, torch.Tensor]:
+    """What each of these experiments starts from: the weights, the input row, the weights'
+    bytes, the copy bandwidth of this run (TB/s) and the chain's result (the reference)."""
     w = _weights(device)
     h0 = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     h0 = h0.to(device)
-    y = torch.zeros(IN_ROWS, dtype=torch.bfloat16, device=device)
-    u = torch.zeros(INTER, dtype=torch.bfloat16, device=device)
-    cnt = torch.zeros(1, dtype=torch.int64, device=device)
     weight_bytes = sum(v.numel() * v.element_size() for k, v in w.items() if k[0] == "w")
     src = torch.empty(2 ** 28, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     copy_tbps = 2 * src.numel() / (_graph_us(lambda: dst.copy_(src), 20) * 1e-6) / 1e12
-    ref = _chain(w, h0.clone())
+    return w, h0, weight_bytes, copy_tbps, _chain(w, h0.clone())
+
+
+def main(json_path: str | None = None) -> int:
+    device = torch.device("cuda")
+    w, h0, weight_bytes, copy_tbps, ref = setup(device)
+    y = torch.zeros(IN_ROWS, dtype=torch.bfloat16, device=device)
+    u = torch.zeros(INTER, dtype=torch.bfloat16, device=device)
+    cnt = torch.zeros(1, dtype=torch.int64, device=device)
     hc = h0.clone()
     r = {"device": torch.cuda.get_device_name(), "layers": LAYERS, "gemms": 4 * LAYERS,
          "weight_bytes": weight_bytes, "copy_TBps": copy_tbps,
