@@ -20,6 +20,8 @@ class SamplingConfig:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0   # 1: off
     seed: int | None = None
+    min_tokens: int = 0               # the stop tokens held back before this many outputs
+    stop_tokens: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -27,8 +29,10 @@ class SamplingConfig:
 
     @property
     def penalised(self) -> bool:
+        """Whether the logits at a position depend on the tokens before it."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+                or self.repetition_penalty != 1.0
+                or (self.min_tokens > 0 and bool(self.stop_tokens)))
 
 
 def apply_penalties(logits: torch.Tensor, history: Sequence[int], cfg: SamplingConfig,
@@ -36,7 +40,8 @@ def apply_penalties(logits: torch.Tensor, history: Sequence[int], cfg: SamplingC
     """OpenAI's presence / frequency penalties over the tokens generated so far (history),
     then the repetition penalty (vLLM's and transformers' sense) over every token of the
     history or of the prompt (prompt_ids: its distinct tokens, `distinct`): a positive
-    logit divided by it, a negative one multiplied.
+    logit divided by it, a negative one multiplied; and while the history is shorter than
+    `min_tokens`, the stop tokens ruled out.
     logits: [V] or [N, V] (the same history for every row)."""
     out = logits
     if history and (cfg.presence_penalty != 0.0 or cfg.frequency_penalty != 0.0):
@@ -51,6 +56,9 @@ def apply_penalties(logits: torch.Tensor, history: Sequence[int], cfg: SamplingC
         out = out.clone()
         out[..., ids] = torch.where(seen > 0, seen / cfg.repetition_penalty,
                                     seen * cfg.repetition_penalty)
+    if len(history) < cfg.min_tokens and cfg.stop_tokens:  # too early to stop
+        out = out.clone()
+        out[..., list(cfg.stop_tokens)] = float("-inf")
     return out
 
 
@@ -151,7 +159,8 @@ class SampledChoice:
             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
             min_p=params.min_p, presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty,
-            repetition_penalty=params.repetition_penalty, seed=params.seed)
+            repetition_penalty=params.repetition_penalty, seed=params.seed,
+            min_tokens=params.min_tokens, stop_tokens=tuple(params.stop_tokens))
         self.history = history
         self.prompt_ids = distinct(prompt) if prompt and self.cfg.repetition_penalty != 1.0 \
             else None

@@ -29,6 +29,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0    # 1 for none (prompt and output tokens, vLLM's sense)
+    min_tokens: int = 0                # no stop token chosen before this many outputs
     seed: int | None = None
     logprobs: int = 0                  # top-n log-probabilities per token, 0 for none
 

@@ -148,6 +148,9 @@ def sampling(body: SamplingFields, prompt_len: int, settings: Settings, limit: i
                             f"tokens; the prompt has {prompt_len} and max_tokens asks for "
                             f"{limit}", param="max_tokens", code="context_length_exceeded")
     max_tokens = limit if limit is not None else min(settings.default_max_tokens, room)
+    if body.min_tokens and body.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({body.min_tokens}) is more than max_tokens "
+                          f"({max_tokens})", "min_tokens")
     seed = None if body.seed is None else body.seed % 2**63
     return SamplingParams(
         max_tokens=max_tokens, stop_tokens=tuple(sorted(stop_ids)),
@@ -156,7 +159,8 @@ def sampling(body: SamplingFields, prompt_len: int, settings: Settings, limit: i
         top_k=max(body.top_k or 0, 0), min_p=body.min_p or 0.0,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=body.repetition_penalty or 1.0, seed=seed,
+        repetition_penalty=body.repetition_penalty or 1.0, min_tokens=body.min_tokens or 0,
+        seed=seed,
         logprobs=0 if body.top_n is None else max(body.top_n, 1))
 
 

@@ -145,6 +145,7 @@ class SamplingFields(_Model):
     stop_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]],
                               Field(max_length=64)] | None = None
     ignore_eos: StrictBool = False
+    min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None  # (vLLM's) no stop before
     user: StrictStr | None = None
     session_id: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
     cache_salt: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None

@@ -73,6 +73,21 @@ def test_a_verify_rows_penalties_count_the_drafts_before_it():
     assert choice.draft(None, rows[1])[0] == 0
 
 
+def test_min_tokens_rules_the_stop_tokens_out_until_then_in_each_row():
+    """Positions before min_tokens cannot end the reply: a verify's row i sits at position
+    len(history) + i, so with one output so far and min_tokens 3, rows 0 and 1 hold the
+    stop token back and row 2 may choose it."""
+    params = SamplingParams(temperature=0.0, min_tokens=3, stop_tokens=(0,))
+    history = [4]
+    choice = SampledChoice(params, history=history)
+    rows = torch.tensor([[2.0, 1.0, 0.5, 0.0, 0.0]] * 3, dtype=torch.float64)
+    assert choice._probs(rows, [1, 1]).argmax(-1).tolist() == [1, 1, 0]
+    assert choice.accept([1, 1], None, rows, [None, None]) == (2, 0)
+    assert choice.next(None, rows[0]) == 1
+    history.extend([1, 1])  # three outputs: the stop token may come now
+    assert choice.next(None, rows[0]) == 0
+
+
 def test_top_logprobs_are_sorted_log_probabilities():
     top = top_logprobs(LOGITS, 2)
     assert [t for t, _ in top] == [0, 1]

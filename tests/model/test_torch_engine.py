@@ -160,27 +160,51 @@ def test_durable_endpoints_restore_the_torch_models_parts_exactly(spec, tmp_path
     h.engine.files.close()
 
 
-def _penalised_reference(prompt, max_tokens, penalty):
-    """Greedy tokens of full forwards with the repetition penalty applied by hand over the
-    prompt and the tokens so far, and the top-2 gap of each step's penalised logits."""
+def _adjusted_reference(prompt, max_tokens, adjust, stops=()):
+    """Greedy tokens of full forwards whose last logits `adjust(logits, seq, done)` changes
+    first (done: the tokens generated so far), ending after a stop token; and the top-2 gap
+    of each step's adjusted logits."""
     import torch
 
     from ninfer.model.hybrid import HybridState
     model = torch_factory(4, 4, 2)
     seq, out, gaps = list(prompt), [], []
     with torch.inference_mode():
-        for _ in range(max_tokens):
+        while len(out) < max_tokens and not (out and out[-1] in stops):
             state = HybridState.initial(model.config, 1, torch.float64)
-            logits = model.net.forward(torch.tensor([seq]), torch.arange(len(seq))[None],
-                                       state).logits[0, -1].clone()
-            seen = torch.tensor(sorted(set(seq)))
-            logits[seen] = torch.where(logits[seen] > 0, logits[seen] / penalty,
-                                       logits[seen] * penalty)
+            logits = adjust(model.net.forward(torch.tensor([seq]), torch.arange(len(seq))[None],
+                                              state).logits[0, -1].clone(), seq, len(out))
             top = logits.topk(2)
             gaps.append(float(top.values[0] - top.values[1]))
             out.append(int(top.indices[0]))
             seq.append(out[-1])
     return out, gaps
+
+
+def _penalised_reference(prompt, max_tokens, penalty):
+    """The repetition penalty applied by hand over the prompt and the tokens so far."""
+    import torch
+
+    def adjust(logits, seq, done):
+        seen = torch.tensor(sorted(set(seq)))
+        logits[seen] = torch.where(logits[seen] > 0, logits[seen] / penalty,
+                                   logits[seen] * penalty)
+        return logits
+    return _adjusted_reference(prompt, max_tokens, adjust)
+
+
+def _oracle_drafts(monkeypatch, ref):
+    """Drafts that know the answer `ref` and err on every third token (rounds then accept
+    0..k drafts)."""
+    real_draft = Runner.draft
+
+    def oracle(self, lane, seq, frontier, k, choice):
+        real_draft(self, lane, seq, frontier, k, choice)
+        done = len(seq) - len(PROMPT)
+        drafts = list(ref[done:done + k])
+        return [t if (done + i) % 3 else (t + 1) % 97 for i, t in enumerate(drafts)], None
+
+    monkeypatch.setattr(Runner, "draft", oracle)
 
 
 @pytest.mark.parametrize("spec", ["none", "mtp", "ngram"])
@@ -196,15 +220,7 @@ def test_repetition_penalty_counts_the_prompt_the_output_and_a_rounds_drafts(spe
     plain, _ = reference(PROMPT, 12)
     assert ref != plain, "the penalty must change the answer for this test to say anything"
     if spec != "none":
-        real_draft = Runner.draft
-
-        def oracle(self, lane, seq, frontier, k, choice):
-            real_draft(self, lane, seq, frontier, k, choice)
-            done = len(seq) - len(PROMPT)
-            drafts = list(ref[done:done + k])
-            return [t if (done + i) % 3 else (t + 1) % 97 for i, t in enumerate(drafts)], None
-
-        monkeypatch.setattr(Runner, "draft", oracle)
+        _oracle_drafts(monkeypatch, ref)
     h = _harness(spec)
     params = dataclasses.replace(SamplingParams(max_tokens=12), repetition_penalty=3.0)
     h.engine.submit(Submit("rp", PROMPT, "s", "t", params))
@@ -215,3 +231,32 @@ def test_repetition_penalty_counts_the_prompt_the_output_and_a_rounds_drafts(spe
     if spec != "none":
         commits = [e for e in h.journal.read() if e.kind == "TokensCommitted" and e.drafted]
         assert any(e.accepted >= 2 for e in commits)
+
+
+@pytest.mark.parametrize("spec", ["none", "mtp", "ngram"])
+def test_min_tokens_holds_the_stop_tokens_back_until_then(spec, monkeypatch):
+    """With min_tokens the stop tokens cannot be chosen before that many outputs (in every
+    row of a verify round too); after, the first one ends the request."""
+    import dataclasses
+
+    from ninfer.engine.engine import Submit
+    from ninfer.lifecycle.request import SamplingParams
+    plain, _ = reference(PROMPT, 12)
+    stops = (plain[1], plain[3])  # the plain reply would stop at its second token
+
+    def adjust(logits, seq, done):
+        if done < 6:
+            logits[list(stops)] = float("-inf")
+        return logits
+    ref, gaps = _adjusted_reference(PROMPT, 12, adjust, stops)
+    assert len(ref) >= 6 and not set(ref[:6]) & set(stops)
+    if spec != "none":
+        _oracle_drafts(monkeypatch, ref)
+    h = _harness(spec)
+    params = dataclasses.replace(SamplingParams(max_tokens=12), stop_tokens=stops, min_tokens=6)
+    h.engine.submit(Submit("mt", PROMPT, "s", "t", params))
+    h.run()
+    r = h.request("mt")
+    assert r.state == "Finished"
+    assert agree_until_tie(r.outputs, ref, gaps)
+    assert r.stop_reason == ("stop_token" if ref[-1] in stops else "max_tokens")

@@ -57,6 +57,8 @@ FIELDS = [
     ("negative stop token id", {"stop_token_ids": [-1]}, "stop_token_ids.0"),
     ("stop token id not an int", {"stop_token_ids": ["a"]}, "stop_token_ids.0"),
     ("ignore_eos not bool", {"ignore_eos": "yes"}, "ignore_eos"),
+    ("negative min_tokens", {"min_tokens": -1}, "min_tokens"),
+    ("min_tokens above max_tokens", {"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
     ("max_tokens zero", {"max_tokens": 0}, "max_tokens"),
     ("max_tokens string", {"max_tokens": "10"}, "max_tokens"),
     ("max_tokens float", {"max_tokens": 1.5}, "max_tokens"),

@@ -236,7 +236,8 @@ def test_repetition_penalty_reaches_the_request_and_changes_its_tokens(live, cli
 
 def test_stop_token_ids_end_the_reply_and_ignore_eos_drops_end_of_text(live, client):
     """vLLM's `stop_token_ids` end a reply at the first of them (hidden from its text, as
-    end-of-text is); `ignore_eos` leaves the model's end-of-text ids out of the stops."""
+    end-of-text is), not before `min_tokens` outputs; `ignore_eos` leaves the model's
+    end-of-text ids out of the stops."""
     def tokens(r):
         return [t for k, d, _ in live.events(r.id.split("-", 1)[1]) if k == "TokensCommitted"
                 for t in d["tokens"]]
@@ -254,6 +255,11 @@ def test_stop_token_ids_end_the_reply_and_ignore_eos_drops_end_of_text(live, cli
     assert tokens(stopped) == out[:cut + 1]
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].text == live.server.tokenizer.decode(out[:cut])
+    held = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8,
+                                     temperature=0, extra_body={"stop_token_ids": [out[cut]],
+                                                                "min_tokens": cut + 2})
+    assert len(tokens(held)) >= cut + 2 and out[cut] not in tokens(held)[:cut + 2]
+    assert tokens(held)[:cut] == out[:cut]
     eos = stops(plain)
     assert eos and out[cut] not in eos
     free = client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0,
