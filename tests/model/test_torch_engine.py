@@ -209,9 +209,11 @@ def _oracle_drafts(monkeypatch, ref):
 
 @pytest.mark.parametrize("spec", ["none", "mtp", "ngram"])
 def test_repetition_penalty_counts_the_prompt_the_output_and_a_rounds_drafts(spec, monkeypatch):
-    """Greedy decoding with a repetition penalty equals a hand-penalised reference. A
-    drafter that knows the answer and errs on every third token makes verify rounds accept
-    several drafts: each row of a round is penalised for the drafts before it too."""
+    """Greedy decoding with a repetition penalty equals a hand-penalised reference, also
+    when a drafter that knows the answer and errs on every third token makes verify rounds
+    accept several drafts. (Which history each row of a round is penalised with is pinned
+    by tests/engine/test_sampling.py: here the random model rarely reaches a case where it
+    matters.)"""
     import dataclasses
 
     from ninfer.engine.engine import Submit
@@ -235,8 +237,9 @@ def test_repetition_penalty_counts_the_prompt_the_output_and_a_rounds_drafts(spe
 
 @pytest.mark.parametrize("spec", ["none", "mtp", "ngram"])
 def test_min_tokens_holds_the_stop_tokens_back_until_then(spec, monkeypatch):
-    """With min_tokens the stop tokens cannot be chosen before that many outputs (in every
-    row of a verify round too); after, the first one ends the request."""
+    """With min_tokens the stop tokens cannot be chosen before that many outputs, under
+    drafting too; after, the first one ends the request. (The boundary, row by row, is
+    pinned by tests/engine/test_sampling.py.)"""
     import dataclasses
 
     from ninfer.engine.engine import Submit
