@@ -24,10 +24,9 @@ from torch import Tensor
 
 
 def _compute_dtype(*tensors: Tensor) -> torch.dtype:
-    dtype = torch.float32
-    for t in tensors:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
+    """float64 if any of them is, else float32 (decided in Python: torch.promote_types is a
+    dispatched op, and the CPU decode step calls this for every GDN layer)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def _heads_first(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, dtype: torch.dtype):
@@ -36,7 +35,8 @@ def _heads_first(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, dtype
     if v.shape[2] != r * k.shape[2]:
         raise ValueError(f"value heads {v.shape[2]} are not a multiple of key heads {k.shape[2]}")
     q, k = (x.repeat_interleave(r, dim=2) if r > 1 else x for x in (q, k))
-    return [x.transpose(1, 2).to(dtype) for x in (q, k, v, g, beta)]
+    return [x.transpose(1, 2) if x.dtype == dtype else x.transpose(1, 2).to(dtype)
+            for x in (q, k, v, g, beta)]
 
 
 def _initial(state: Tensor | None, shape: tuple[int, ...], like: Tensor) -> Tensor:

@@ -16,7 +16,7 @@ from kernels.gdn_reference import (
 )
 
 from .config import ModelConfig
-from .layers import GatedRMSNorm, RMSNorm, compute_dtype, packed_weight
+from .layers import GatedRMSNorm, RMSNorm, cast, compute_dtype, packed_weight
 
 
 @dataclass(frozen=True)
@@ -209,7 +209,7 @@ class GatedDeltaNet(nn.Module):
             q, k, beta, g = dev.qk_norm_gates(q, k, b, a, self.A_log, self.dt_bias)
             return dev.chunk(q, k, v, g, beta, initial_state=state.recurrent)
         wide = compute_dtype(q)
-        q, k = l2_normalize(q.to(wide)), l2_normalize(k.to(wide))  # [B, T, Hk, Dk]
+        q, k = l2_normalize(cast(q, wide)), l2_normalize(cast(k, wide))  # [B, T, Hk, Dk]
         beta, g = self._gates(b, a, wide)  # [B, T, Hv]
         if all_states or q.shape[1] <= self.RECURRENT_MAX_TOKENS:
             return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state.recurrent,
@@ -229,8 +229,8 @@ class GatedDeltaNet(nn.Module):
 
     def _gates(self, b: Tensor, a: Tensor, wide: torch.dtype) -> tuple[Tensor, Tensor]:
         """beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), in `wide`."""
-        beta = torch.sigmoid(b.to(wide))
-        g = -self.A_log.to(wide).exp() * F.softplus(a.to(wide) + self.dt_bias.to(wide))
+        beta = torch.sigmoid(cast(b, wide))
+        g = -cast(self.A_log, wide).exp() * F.softplus(cast(a, wide) + cast(self.dt_bias, wide))
         return beta, g
 
     def _steps_on_device(self, dev, conv_out: Tensor, b: Tensor, a: Tensor,

@@ -19,8 +19,15 @@ from .config import ModelConfig
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:
-    """float32, or x's dtype when it is wider (float64)."""
-    return torch.promote_types(x.dtype, torch.float32)
+    """float32, or x's dtype when it is wider (float64). (Decided in Python: torch's
+    promote_types is a dispatched op, and a CPU decode step asks this dozens of times.)"""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def cast(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """x in dtype: x itself when it already is, without the dispatch of a no-op `.to`
+    (most of a float32 CPU step's casts)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def packed_weight(module: nn.Module, name: str, sources: list[Tensor], build) -> Tensor:
@@ -56,7 +63,7 @@ class RMSNorm(nn.Module):
             return dev.rms_norm(x, self.weight, self.eps, 1.0)
         dtype = compute_dtype(x)
         # the scale multiplies before the cast back, as the reference does
-        return (_rms(x.to(dtype), self.eps) * (1.0 + self.weight.to(dtype))).to(x.dtype)
+        return cast(_rms(cast(x, dtype), self.eps) * (1.0 + cast(self.weight, dtype)), x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -74,8 +81,8 @@ class GatedRMSNorm(nn.Module):
             return dev.gated_rms_norm(x, z, self.weight, self.eps)
         dtype = compute_dtype(x)
         # the reference casts the normalised x back to the input dtype before the weight
-        normed = self.weight * _rms(x.to(dtype), self.eps).to(x.dtype)
-        return (normed * F.silu(z.to(dtype))).to(x.dtype)
+        normed = self.weight * cast(_rms(cast(x, dtype), self.eps), x.dtype)
+        return cast(normed * F.silu(cast(z, dtype)), x.dtype)
 
 
 @functools.cache
