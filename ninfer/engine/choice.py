@@ -36,9 +36,7 @@ class GreedyChoice:
 
 
 def needs_sampling(params: SamplingParams) -> bool:
-    return (params.temperature > 0 or params.presence_penalty != 0
-            or params.frequency_penalty != 0 or params.repetition_penalty != 1
-            or (params.min_tokens > 0 and bool(params.stop_tokens)))
+    return params.temperature > 0 or params.penalised
 
 
 def make_choice(params: SamplingParams, history: list[int], prompt: Sequence[int] = ()

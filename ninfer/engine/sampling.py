@@ -27,13 +27,6 @@ class SamplingConfig:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
-    @property
-    def penalised(self) -> bool:
-        """Whether the logits at a position depend on the tokens before it."""
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0
-                or (self.min_tokens > 0 and bool(self.stop_tokens)))
-
 
 def apply_penalties(logits: torch.Tensor, history: Sequence[int], cfg: SamplingConfig,
                     prompt_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -162,6 +155,7 @@ class SampledChoice:
             repetition_penalty=params.repetition_penalty, seed=params.seed,
             min_tokens=params.min_tokens, stop_tokens=tuple(params.stop_tokens))
         self.history = history
+        self.penalised = params.penalised
         self.prompt_ids = distinct(prompt) if prompt and self.cfg.repetition_penalty != 1.0 \
             else None
         self.generator = torch.Generator()
@@ -174,7 +168,7 @@ class SampledChoice:
         """The distributions of the next tokens: logits [V] following the output and then
         `drafts`, or a verify's rows [k+1, V] (row i follows the first i of `drafts`): the
         penalties count the drafts before each position too."""
-        if not self.cfg.penalised:
+        if not self.penalised:
             return probabilities(logits, self.cfg)
         if logits.dim() == 1:
             history = [*self.history, *drafts] if drafts else self.history

@@ -33,6 +33,13 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int = 0                  # top-n log-probabilities per token, 0 for none
 
+    @property
+    def penalised(self) -> bool:
+        """Whether a position's logits are changed by the tokens before it (the penalties,
+        or stop tokens held back by min_tokens)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1 or (self.min_tokens > 0 and bool(self.stop_tokens)))
+
     def to_dict(self) -> dict[str, Any]:
         out = {f: getattr(self, f) for f in self.__dataclass_fields__}
         out["stop_tokens"] = list(self.stop_tokens)
