@@ -9,7 +9,7 @@
 // owning 8 of the key head's q rows and 8 of its k rows, 16 v rows and 16 z rows of one of
 // its value heads (block rank r: value head hk R + r / 8, rows (r % 8) 16 ..), and the b or
 // a row of that value head (ranks r % 8 == 0 / 1). A block holds its rows of the weight in
-// registers (q, k, v) and shared memory (z, b / a), loaded before the programmatic-dependent-launch wait, so they stream while
+// registers, loaded before the programmatic-dependent-launch wait, so they stream while
 // the kernels before it run; after the wait it norms the row, makes its rows' sums, convs
 // its q / k / v channels, and hands them to the cluster through shared memory. After one
 // cluster barrier each block reads the head's whole q and k from its peers (distributed
@@ -30,14 +30,12 @@ constexpr int QKR = DK / CL;              // q rows (and k rows) per block: 8
 constexpr int VSUB = 8;                   // blocks per value head
 constexpr int VR = DV / VSUB;             // v rows (and z rows) per block: 16
 constexpr int ROWS = 2 * QKR + 2 * VR + 1;  // + b or a: 49 (the last is empty on ranks 2..7)
-constexpr int THREADS = 256, WARPS = THREADS / 32;
-constexpr int RPW = 4;  // rows a warp holds in registers: rows 0 .. 31 (q, k, v)
-constexpr int SROWS = ROWS - WARPS * RPW;  // the rest (z, b or a) staged in shared memory
-constexpr int SPW = (SROWS + WARPS - 1) / WARPS;  // shared rows a warp reduces: 3
+constexpr int THREADS = 320, WARPS = THREADS / 32;  // 10 warps: 5 rows each
+constexpr int RPW = (ROWS + WARPS - 1) / WARPS;
 constexpr int STEP_WARPS = 8;  // the step's 256 threads: (Dk row, half of the 16 columns)
 constexpr float L2_EPS = 1e-6f;
 #ifndef MAXREG
-#define MAXREG 128
+#define MAXREG 168
 #endif
 
 struct Params {
@@ -109,25 +107,15 @@ __global__ void __maxnreg__(MAXREG) gdn_in_step_kernel(const __grid_constant__ P
 
   if (!p.fence) cudaTriggerProgrammaticLaunchCompletion();
 
-  // before the wait: this block's weights (never written by a kernel), the last rows
-  // copied into shared memory (cp.async), the others loaded into registers
-  __shared__ alignas(16) uint4 wsm[SROWS][K / 8];
-  for (int e = tid; e < SROWS * (K / 8); e += THREADS) {
-    const int sr = e / (K / 8), c8 = e % (K / 8);
-    const int gr = packed_row(WARPS * RPW + sr, hk, r, Hk, Hv);
-    if (gr >= 0) {
-      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(&wsm[sr][c8]));
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst),
-                   "l"(p.w + gr * p.s_w + c8 * 8));
-    }
-  }
-  asm volatile("cp.async.commit_group;");
+  // before the wait: this block's weights (never written by a kernel)
   uint4 wr[RPW][CH];
 #pragma unroll
   for (int j = 0; j < RPW; ++j) {
-    const int gr = packed_row(warp + WARPS * j, hk, r, Hk, Hv);
+    const int lr = warp + WARPS * j;
+    const int gr = lr < ROWS ? packed_row(lr, hk, r, Hk, Hv) : -1;
 #pragma unroll
-    for (int c = 0; c < CH; ++c) wr[j][c] = load_nc(p.w + gr * p.s_w + c * 256 + lane * 8);
+    for (int c = 0; c < CH; ++c)
+      wr[j][c] = gr >= 0 ? load_nc(p.w + gr * p.s_w + c * 256 + lane * 8) : make_uint4(0, 0, 0, 0);
   }
   // the conv of rows 0 .. 2 QKR + VR - 1 (thread t: row t): its weights now, its tail below
   const bool conv_row = tid < 2 * QKR + VR;
@@ -214,26 +202,8 @@ __global__ void __maxnreg__(MAXREG) gdn_in_step_kernel(const __grid_constant__ P
     for (int e = 0; e < CH * 4; ++e)
       acc += lo_bf(wv[e]) * lo_bf(x[e]) + hi_bf(wv[e]) * hi_bf(x[e]);
     acc = warp_sum(acc, 1);
-    if (lane == 0) ysm[warp + WARPS * j] = acc;
-  }
-  asm volatile("cp.async.wait_all;" ::: "memory");
-  __syncthreads();  // the shared rows landed (every thread's copies)
-#pragma unroll
-  for (int j = 0; j < SPW; ++j) {
-    const int sr = warp + WARPS * j;
-    if (sr < SROWS) {  // (warp-uniform)
-      float acc = 0.f;
-#pragma unroll
-      for (int c = 0; c < CH; ++c) {
-        const uint4 w4 = wsm[sr][c * 32 + lane];
-        const uint32_t wv[4] = {w4.x, w4.y, w4.z, w4.w};
-#pragma unroll
-        for (int q = 0; q < 4; ++q)
-          acc += lo_bf(wv[q]) * lo_bf(x[c * 4 + q]) + hi_bf(wv[q]) * hi_bf(x[c * 4 + q]);
-      }
-      acc = warp_sum(acc, 1);
-      if (lane == 0) ysm[WARPS * RPW + sr] = acc;
-    }
+    const int lr = warp + WARPS * j;
+    if (lane == 0 && lr < ROWS) ysm[lr] = acc;
   }
   __syncthreads();
 
