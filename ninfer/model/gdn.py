@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels import gdn_fused, kernels_for, skinny_for
+from kernels import kernels_for, skinny_for
 from kernels.gdn_reference import (
     causal_conv1d_update,
     chunk_gated_delta_rule,
@@ -279,14 +279,6 @@ class GatedDeltaNet(nn.Module):
         dests = state.dests if state.dests is not None else state.slots
         Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         weight = self.conv1d.weight.squeeze(1)
-        if norm is not None and gdn_fused.available(x):  # one lane: all of it in one launch
-            w = self._packed()
-            if gdn_fused.fits(x, w, state.conv_pool, state.rec_pool, state.slots, Hk, Hv, Dk,
-                              Dv) and gdn_fused.fits_weights(norm.weight, weight, dests):
-                o, z = gdn_fused.in_step(x, norm.weight, norm.eps, w, weight, state.conv_pool,
-                                         state.slots, dests, state.rec_pool, self.A_log,
-                                         self.dt_bias, Hk, Hv)
-                return self._out(o, z, residual)
         if norm is not None and skinny_for(x) is not None:
             # one row: the conv folds into the in-projection's GEMM (one launch fewer)
             conv_out, z, b, a = self._project(x, norm, conv=(
