@@ -24,6 +24,9 @@ transformers + fla on the same weights, each measured in the run that reports it
   verify of 4 positions gathering the GDN slots first or reading them in place.
   `mtp_span_graphs`: MTP with drafts forced right, the MTP layer's catch-up of a round's
   positions eager (`ninfer.model.spec_graphs.MAX_SPAN` 1) or replayed from graphs.
+  `removal_bounds_b1`: batch-1 decode with the GDN step, the attention's merge, the whole
+  attention, or the GDN step and the attention left out of the graph (wrong tokens): how
+  much of a step those kernels cost, so what any change to them could gain at most.
   `main(path, only="row,row")` runs only those rows (a short device call).
 - baseline: transformers' Qwen3NextForCausalLM on the same files, with fla's kernels when
   transformers binds them (reported), `generate` greedy at batch 1 and 8, and a 4K prefill.
@@ -194,6 +197,46 @@ def verify_in_place_row(bench, rounds: int = 3) -> dict:
     return out
 
 
+def removal_bounds_row(bench, rounds: int = 3) -> dict:
+    """Batch-1 decode with kernels LEFT OUT of the decode graph (wrong tokens: upper bounds
+    of what making them free could gain, not a mode to run): the GDN step (out_proj reads
+    v as its output), the attention's merge of its splits, the whole attention (o_proj
+    reads q), and the GDN step with the whole attention; the graphs captured afresh for
+    each, in turn. Each variant's median tok/s, the us a token it saves against the full
+    step, and its fraction of the roofline (`roofline_fraction` is filled in by `main`)."""
+    import kernels
+    from kernels import decode_attention
+    dev = kernels.device_kernels()
+    full = (dev.step, decode_attention.merge_splits, dev.decode_attention)
+
+    def no_step(q, k, v, *args, **kw):
+        return v
+
+    def no_merge(*args, **kw):
+        return None
+
+    def no_attention(y, heads, kv_heads, head_dim, *args, **kw):
+        return y[:, :, :heads * head_dim].reshape(y.shape[0], 1, heads, head_dim)
+
+    variants = {"full": full, "no_gdn_step": (no_step, full[1], full[2]),
+                "no_merge": (full[0], no_merge, full[2]),
+                "no_attention": (full[0], full[1], no_attention),
+                "no_gdn_step_no_attention": (no_step, full[1], no_attention)}
+
+    def run(settings: dict) -> dict:
+        dev.step, decode_attention.merge_splits, dev.decode_attention = settings["kernels"]
+        try:
+            return _recaptured(bench, lambda: [bench.decode(1, tokens=DECODE_TOKENS)
+                                               for _ in range(2)][1])
+        finally:
+            dev.step, decode_attention.merge_splits, dev.decode_attention = full
+
+    out = _in_turn({name: {"kernels": v} for name, v in variants.items()}, run, rounds)
+    for row in out.values():
+        row["saves_us_a_token"] = 1e6 / out["full"]["tok_s"] - 1e6 / row["tok_s"]
+    return out
+
+
 def _in_turn(variants: dict[str, dict], run, rounds: int = 3) -> dict:
     """run(settings) for each variant in turn, `rounds` times: each variant's median tok/s
     and every run's, and the ratio of each median to the first variant's."""
@@ -265,6 +308,7 @@ def main(json_path: str | None = None, only: str | None = None) -> int:
             {label: {"value": value} for label, value in variants.items()},
             lambda settings: _switched(b, warm(lambda: b.decode(
                 1, tokens=DECODE_TOKENS, context=context)), module, name, **settings))))
+    steps.append(("removal_bounds_b1", lambda: removal_bounds_row(b)))
     steps.append(("decode_b1_4k",
                   warm(lambda: b.decode(1, tokens=DECODE_TOKENS, context=4096))))
     steps.append(("skinny_rows", lambda: skinny_rows_row(b)))
@@ -293,6 +337,9 @@ def main(json_path: str | None = None, only: str | None = None) -> int:
         row = r.get(f"decode_b{batch}", {})
         if "tok_s" in row:
             row["roofline_fraction"] = row["tok_s"] / (batch * r["roofline_tok_s_b1"])
+    for row in r.get("removal_bounds_b1", {}).values():
+        if isinstance(row, dict) and "tok_s" in row:
+            row["roofline_fraction"] = row["tok_s"] / r["roofline_tok_s_b1"]
     if "tok_s" in r.get("decode_b1", {}) and "tok_s" in r.get("decode_b1_no_ahead", {}):
         r["ahead_speedup_b1"] = r["decode_b1"]["tok_s"] / r["decode_b1_no_ahead"]["tok_s"]
     _write("engine", r, json_path)
