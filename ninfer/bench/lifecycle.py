@@ -19,6 +19,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..lifecycle import events as ev
+from ..lifecycle import salvage
 from ..lifecycle.eventlog import EventLog
 from ..lifecycle.facts import CheckpointFacts, EndpointFacts, Mode
 from ..lifecycle.hashing import block_hashes, prefix_hash
@@ -168,7 +169,6 @@ def bench_requests(requests: int, tmp: Path) -> dict[str, float]:
         for i in range(requests):
             r = Request(id=f"r{i}", prompt=PROMPT, session=f"s{i % SESSIONS}", tenant="t",
                         log=log, mode=MODE)
-            r.salvage_candidates = lambda rid=r.id: [Candidate("frontier", _checkpoint(rid))]
             admit(r)
             r.plan = root
             fire(r, "start")
@@ -181,7 +181,9 @@ def bench_requests(requests: int, tmp: Path) -> dict[str, float]:
                 r.emit(ev.TokensCommitted, tokens=(t,), frontier=r.cursor)
             r.stop_reason = "max_tokens"
             fire(r, "stop")
-            fire(r, "finish")
+            decision = salvage.decide([Candidate("frontier", _checkpoint(r.id))], MODE,
+                                      r.tenant, r.session)
+            fire(r, "finish", salvage=decision)
             if i % STEP_REQUESTS == STEP_REQUESTS - 1:
                 log.flush()
         log.flush()

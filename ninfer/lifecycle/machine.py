@@ -1,8 +1,9 @@
 """ONE shared `transitions` machine, built from specs/lifecycle.toml, drives every request.
 
 Requests are not added to the machine (that costs O(live models)); triggers are fired
-on them directly: `fire(request, "cancel")`. Each transition's `emits` list is turned
-into events by the emitters below, after the state has changed; guards run before.
+on them directly: `fire(request, "cancel", salvage=decision)`. Each transition's `emits`
+list is turned into events by the emitters below, after the state has changed, from the
+request and the trigger's arguments only; guards run before and change nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from transitions import Machine, MachineError
 
 from . import events as ev
-from .request import Request
+from .request import Request, salvage_of
 
 SPEC_PATH = Path(__file__).resolve().parents[2] / "specs" / "lifecycle.toml"
 
@@ -53,13 +54,13 @@ def _stop_reached(r: Request, _e):
     yield ev.StopReached, dict(reason=r.stop_reason)
 
 
-def _published(r: Request, _e):
-    for endpoint in r.salvage.published:
+def _published(_r: Request, e):
+    for endpoint in salvage_of(e).published:
         yield ev.EndpointPublished, dict(endpoint=endpoint)
 
 
-def _refused(r: Request, _e):
-    for refusal in r.salvage.refused:
+def _refused(_r: Request, e):
+    for refusal in salvage_of(e).refused:
         yield ev.PublicationRefused, dict(checkpoint=refusal.checkpoint,
                                           position=refusal.position, reason=refusal.reason)
 

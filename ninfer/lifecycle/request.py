@@ -1,13 +1,13 @@
 """A request: the model object the shared lifecycle machine drives.
 
 Its `state` changes only through `machine.fire`. The guards named in
-specs/lifecycle.toml are methods here; the engine supplies what they need through
-`salvage_candidates` (the checkpoints this request offers) and `mode`.
+specs/lifecycle.toml are methods here, and pure questions: what a transition needs that
+the request does not hold (a salvage decision) is decided by the engine first and passed
+as the trigger's arguments.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,9 +64,7 @@ class Request:
     plan: Plan | None = None
     cursor: int = 0                    # the state frontier: tokens whose state is computed
     stop_reason: str | None = None
-    salvage: salvage.Salvage | None = None
     failure: tuple[str, str] | None = None
-    salvage_candidates: Callable[[], list[salvage.Candidate]] = lambda: []
     hashes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -85,6 +83,11 @@ class Request:
         return len(self.prompt) + max(len(self.outputs) - 1, 0)
 
     @property
+    def sequence_hashes(self) -> tuple[int, ...]:
+        """Block hashes of `sequence` (the prompt's are computed once, at admission)."""
+        return block_hashes(self.sequence) if self.outputs else self.hashes
+
+    @property
     def reuse_base(self) -> int:
         return self.plan.reuse_base if self.plan else 0
 
@@ -99,8 +102,15 @@ class Request:
     def prefill_done(self, _event=None) -> bool:
         return self.cursor == self.target
 
-    def salvage_ok(self, _event=None) -> bool:
-        """Decide publication with the predicate, before any event is emitted."""
-        self.salvage = salvage.decide(self.salvage_candidates(), self.mode, self.tenant,
-                                      self.session)
-        return self.salvage.frontier_ok
+    def salvage_ok(self, event) -> bool:
+        """The salvage decided before the trigger publishes the frontier."""
+        return salvage_of(event).frontier_ok
+
+
+def salvage_of(event) -> salvage.Salvage:
+    """The `salvage` argument of a finish / cancel / preempt trigger (`machine.fire(request,
+    "cancel", salvage=decision)`): what the engine decided to publish and refuse."""
+    decision = event.kwargs.get("salvage")
+    if not isinstance(decision, salvage.Salvage):
+        raise TypeError(f"{event.event.name} needs salvage=<Salvage>, got {decision!r}")
+    return decision

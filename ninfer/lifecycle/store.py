@@ -176,13 +176,20 @@ class ContinuationStore:
         found.sort(key=lambda f: (-f.position, rank[f.kind]))
         return found
 
+    def by_recency(self) -> list[str]:
+        """Endpoint ids, least recently used (planned from, else published) first: the one
+        order in which capacity and memory pressure evict."""
+        return [s.facts.id for s in sorted(self.endpoints.values(), key=_recency)]
+
+    def least_recently_used(self) -> str | None:
+        if not self.endpoints:
+            return None
+        return min(self.endpoints.values(), key=_recency).facts.id
+
     def over_capacity(self) -> list[str]:
         """Endpoints to evict, least recently used first, to get back within capacity."""
         excess = len(self.endpoints) - self.max_endpoints
-        if excess <= 0:
-            return []
-        by_use = sorted(self.endpoints.values(), key=lambda s: (s.last_used_seq, s.published_seq))
-        return [s.facts.id for s in by_use[:excess]]
+        return self.by_recency()[:excess] if excess > 0 else []
 
     def checkpoint_ids(self) -> set[str]:
         return {s.facts.checkpoint.id for s in self.endpoints.values()}
@@ -234,6 +241,10 @@ _HANDLERS = {
     ev.EndpointLost: ContinuationStore._removed,
     ev.StoreSnapshotted: ContinuationStore._snapshotted,
 }
+
+
+def _recency(stored: StoredEndpoint) -> tuple[int, int]:
+    return stored.last_used_seq, stored.published_seq
 
 
 def _plain(value) -> object:

@@ -85,7 +85,9 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 4))
     def step(self, n):
-        self.h.step(n)
+        for _ in range(n):  # the invariants after every engine step, not only every rule:
+            self.h.step()   # a bad endpoint is caught before a later step plans from it
+            self.h.check()
 
     def _live(self):
         return [r for r in self.h.engine.requests.values()
@@ -129,7 +131,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         """Memory pressure picks this lane: salvage, back to the queue, re-plan."""
         lanes = [x for x in self.h.engine.live.values()
                  if x.request.state in ("Prefilling", "Active")]
-        self.h.engine._preempt(data.draw(st.sampled_from(lanes), label="lane"))
+        self.h.engine.preempt(data.draw(st.sampled_from(lanes), label="lane").request.id)
         self.h.step()
 
     @precondition(lambda self: self.h is not None and self.h.engine.store.endpoints)

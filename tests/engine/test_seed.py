@@ -184,7 +184,7 @@ def test_a_request_preempted_while_decoding_resumes_from_its_frontier():
     h.step()
     while h.request(rid).state != "Active" or len(h.request(rid).outputs) < 3:
         h.step()
-    h.engine._preempt(h.engine.live[rid])
+    h.engine.preempt(rid)
     h.run()
     h.check()
     r = h.request(rid)

@@ -8,7 +8,7 @@ from ninfer.lifecycle.events import ServerStarted
 from ninfer.lifecycle.machine import MACHINE, SPEC, InvalidTrigger, admit, fire
 from ninfer.lifecycle.planner import Plan
 from ninfer.lifecycle.request import Request
-from ninfer.lifecycle.salvage import Candidate
+from ninfer.lifecycle.salvage import Candidate, decide
 from ninfer.lifecycle.store import ContinuationStore
 
 from .factories import MTP, checkpoint
@@ -67,9 +67,10 @@ def test_salvaging_triggers_take_the_guarded_pair_and_emit_the_listed_kinds(
     source = r.state
     frontier = checkpoint(PROMPT, cp_id="f", mtp_kv=None if frontier_ok else 3)
     anchor = checkpoint(PROMPT[:5], cp_id="a")
-    r.salvage_candidates = lambda: [Candidate("frontier", frontier), Candidate("anchor", anchor)]
+    decision = decide([Candidate("frontier", frontier), Candidate("anchor", anchor)],
+                      r.mode, r.tenant, r.session)
     before = len(r.log.pending)
-    assert fire(r, trigger)
+    assert fire(r, trigger, salvage=decision)
     publish, refuse = _transitions(trigger, source)
     expected = publish if frontier_ok else refuse
     assert r.state == expected["dest"]
@@ -113,7 +114,37 @@ def test_one_machine_drives_many_requests_independently():
 def test_fail_publishes_nothing():
     r = _request()
     _drive(r, ["start", "prefilled"])
-    r.salvage_candidates = lambda: [Candidate("frontier", checkpoint(PROMPT))]
     before = len(r.log.pending)
     fire(r, "fail", failure="capacity", message="pool too small")
     assert _kinds(r, before) == ["RequestFailed"] and not r.log.store.endpoints
+
+
+@pytest.mark.parametrize("trigger", ["finish", "cancel", "preempt"])
+def test_a_salvaging_trigger_needs_its_decision(trigger):
+    """The decision is the trigger's argument; without it the guard refuses to guess."""
+    r = _request()
+    _drive(r, ["start", "prefilled"] + (["stop"] if trigger == "finish" else []))
+    state, before = r.state, len(r.log.pending)
+    with pytest.raises(TypeError, match="salvage"):
+        fire(r, trigger)
+    assert r.state == state and len(r.log.pending) == before
+
+
+def test_guards_are_pure_questions():
+    """Evaluating a guard, any number of times, changes nothing: the request's fields, the
+    decision passed in, and the log are as they were."""
+    import copy
+    from types import SimpleNamespace
+
+    r = _request()
+    _drive(r, ["start", "prefilled", "stop"])
+    decision = decide([Candidate("frontier", checkpoint(PROMPT, cp_id="f"))], r.mode,
+                      r.tenant, r.session)
+    fields = {k: copy.copy(v) for k, v in vars(r).items() if k != "log"}
+    pending = len(r.log.pending)
+    event = SimpleNamespace(kwargs={"salvage": decision}, event=SimpleNamespace(name="finish"))
+    for guard in {t["guard"] for t in SPEC["transition"] if "guard" in t}:
+        for _ in range(3):
+            getattr(r, guard)(event)
+    assert {k: v for k, v in vars(r).items() if k != "log"} == fields
+    assert len(r.log.pending) == pending and event.kwargs["salvage"] is decision

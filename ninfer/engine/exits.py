@@ -1,0 +1,91 @@
+"""How a request leaves its lane: finish, cancel and preempt salvage, fail does not.
+
+Salvage is an explicit decision: the leaving request's frontier is handed over to a
+checkpoint, every candidate is judged by the one predicate (`salvage.decide`), and the
+decision is the trigger's argument. The lifecycle's guards only read it; the emitters
+publish and refuse exactly what it says; afterwards what was published is kept and the
+rest released.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..lifecycle import machine, salvage
+from ..lifecycle.facts import CheckpointFacts, Mode
+from ..lifecycle.request import Request
+from ..lifecycle.salvage import Candidate
+from .live import Live
+from .runner import Held, Runner
+from .scheduler import Scheduler
+
+
+class Exits:
+    def __init__(self, runner: Runner, mode: Mode, scheduler: Scheduler, *,
+                 live: dict[str, Live], held: dict[str, Held], files,
+                 checkpoint_id: Callable[[Request], str],
+                 facts: Callable[[Held], CheckpointFacts]) -> None:
+        """`live` and `held` are the engine's own maps (lanes by request id, published
+        checkpoints by id); `files` writes published checkpoints durably (None: don't)."""
+        self.runner, self.mode, self.scheduler = runner, mode, scheduler
+        self.live, self.held, self.files = live, held, files
+        self.checkpoint_id, self.facts = checkpoint_id, facts
+
+    def offer(self, live: Live) -> list[Candidate]:
+        """What a leaving request offers for publication: its frontier first (the lane's
+        own storage, handed over to a checkpoint now), then the captures."""
+        request = live.request
+        if request.cursor > 0 and live.lane.slot >= 0:
+            held = self.runner.hand_over(live.lane, self.checkpoint_id(request),
+                                         request.sequence[:request.cursor])
+            live.captures.insert(0, held)
+        out = [Candidate(held.role, self.facts(held)) for held in live.captures
+               if held.role != "fallback"]
+        out.extend(Candidate("fallback", self.facts(h))
+                   for h in reversed(live.captures) if h.role == "fallback")
+        return out
+
+    def leave(self, live: Live, trigger: str) -> None:
+        """Decide the salvage, fire the trigger with it, then keep what was published and
+        release the rest."""
+        request = live.request
+        self.live.pop(request.id, None)
+        decision = salvage.decide(self.offer(live), self.mode, request.tenant,
+                                  request.session)
+        machine.fire(request, trigger, salvage=decision)
+        published = {e.checkpoint.id for e in decision.published}
+        for held in live.captures:
+            if held.id in published:
+                self.held[held.id] = held
+                if self.files is not None:
+                    self.files.save(self.runner.model, held)
+            else:
+                self.runner.release_held(held)
+        live.captures.clear()
+        self.runner.release_lane(live.lane)
+
+    def cancel(self, request: Request) -> None:
+        live = self.live.get(request.id)
+        if live is None:  # still waiting: it computed nothing, there is nothing to salvage
+            self.scheduler.withdraw(request)
+            machine.fire(request, "cancel")
+            return
+        self.leave(live, "cancel")
+
+    def preempt(self, live: Live) -> None:
+        self.leave(live, "preempt")
+        self.scheduler.requeue(live.request)
+
+    def fail(self, request: Request, failure: str, message: str) -> None:
+        live = self.live.pop(request.id, None)
+        self.scheduler.withdraw(request)
+        machine.fire(request, "fail", failure=failure, message=message)
+        if live is not None:
+            self.release(live)
+
+    def release(self, live: Live) -> None:
+        """Give back a lane and its captures, publishing nothing."""
+        for held in live.captures:
+            self.runner.release_held(held)
+        live.captures.clear()
+        self.runner.release_lane(live.lane)

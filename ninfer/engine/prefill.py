@@ -1,0 +1,119 @@
+"""Prefill: a lane's prompt fed in chunks, checkpoints captured where they may be reused.
+
+A chunk ends at the next checkpoint position (the end of the shared prefix, an anchor at
+a message boundary) so the state there can be captured; every chunk end short of the
+target is captured as a fallback, so a cut prefill can publish the newest point whose
+parts are complete. Under MTP the MTP layer catches up on what the main model committed
+before the next chunk, and before a finished turn is published.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from ..lifecycle import events as ev
+from ..lifecycle.facts import CheckpointFacts
+from ..lifecycle.request import Request
+from .live import Live, Reserve, stop_reason
+from .rounds import logprobs
+from .runner import Held, Runner
+
+
+class Prefilled(NamedTuple):
+    """The prefill reached its target: the request becomes Active, and stops at once if
+    its first token ends it."""
+
+    first_token: int | None     # sampled here for a fresh request; None on a resume
+    stop: str | None
+
+
+class Prefill:
+    def __init__(self, runner: Runner, *, chunk: int, auto_anchors: int, max_context: int,
+                 reserve: Reserve, free_slot: Callable[[], bool],
+                 checkpoint_id: Callable[[Request], str],
+                 facts: Callable[[Held], CheckpointFacts]) -> None:
+        """`free_slot`: make a recurrent-state slot free (False: none can be);
+        `checkpoint_id` names a new checkpoint; `facts` describes a held one."""
+        self.runner, self.chunk = runner, chunk
+        self.auto_anchors, self.max_context = auto_anchors, max_context
+        self.reserve, self.free_slot = reserve, free_slot
+        self.checkpoint_id, self.facts = checkpoint_id, facts
+
+    def step(self, live: Live) -> Prefilled | None:
+        """One chunk; `Prefilled` when the target is reached, else None."""
+        request, lane, runner = live.request, live.lane, self.runner
+        seq = request.sequence
+        start = request.cursor
+        end = min(start + self.chunk, request.target)
+        for split in self.checkpoint_positions(request):
+            if start < split < end:
+                end = split
+                break
+        if not self.reserve(live, end, end if runner.mtp else 0):
+            return None
+        if runner.mtp:  # the MTP layer catches up on the chunk the main model committed
+            runner.mtp_catch_up(lane, seq, start)
+            for held in live.captures:
+                runner.extend(held, lane)
+        greedy: Any = None
+        logits: Any = None
+        if end > start:
+            greedy, logits = runner.prefill(lane, seq, start, end)
+            request.cursor = end
+            request.emit(ev.PrefillAdvanced, cursor=end)
+            self._capture_at(live, end)
+        if request.cursor != request.target:
+            return None
+        first = None
+        if not request.outputs:  # a fresh request: end > start always (reuse < target)
+            first = live.choice.next(greedy, logits)
+            request.outputs.append(first)
+            request.emit(ev.TokensCommitted, tokens=(first,), frontier=request.cursor,
+                         logprobs=logprobs(request, None if logits is None else logits[None],
+                                           (first,)))
+        return Prefilled(first, stop_reason(request, self.max_context))
+
+    def catch_up(self, live: Live) -> None:
+        """The MTP layer catches up before a finished turn's state is published."""
+        if self.runner.mtp:
+            request = live.request
+            self.runner.mtp_catch_up(live.lane, request.sequence, request.cursor - 1)
+            for held in live.captures:
+                self.runner.extend(held, live.lane)
+
+    def checkpoint_positions(self, request: Request) -> list[int]:
+        return sorted(set(self._anchor_positions(request)) | {request.shared_prefix} - {0})
+
+    def _anchor_positions(self, request: Request) -> tuple[int, ...]:
+        n = self.auto_anchors
+        return request.boundaries[-n:] if n > 0 else ()
+
+    def _capture_at(self, live: Live, position: int) -> None:
+        request = live.request
+        roles = []
+        if position == request.shared_prefix:
+            roles.append("shared")
+        if position in self._anchor_positions(request):
+            roles.append("anchor")
+        if position < request.target:  # a cut prefill resumes here if its frontier lags
+            roles.append("fallback")     # (MTP catching up) or is not fenced yet
+        for role in roles:
+            if not self.free_slot():
+                return
+            tokens = request.sequence[:position]
+            held = self.runner.capture(live.lane, self.checkpoint_id(request), tokens, role)
+            live.captures.append(held)
+            request.emit(ev.CheckpointCaptured, checkpoint=self.facts(held))
+        self._prune_fallbacks(live)
+
+    def _prune_fallbacks(self, live: Live) -> None:
+        """Keep the newest fallback capture and the newest complete one; release the rest."""
+        fallbacks = [h for h in live.captures if h.role == "fallback"]
+        keep = set(fallbacks[-1:])
+        complete = [h for h in fallbacks if h.mtp_kv >= h.position - 1]
+        keep.update(complete[-1:])
+        for held in fallbacks:
+            if held not in keep:
+                live.captures.remove(held)
+                self.runner.release_held(held)
