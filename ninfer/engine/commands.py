@@ -20,6 +20,7 @@ class EngineConfig:
     journal_tokens: bool = True      # journal token ids, not only block hashes
     check_reuse: bool = False        # compare every restore with a recomputation (tests)
     keep_finished: bool = True       # keep ended requests in `requests` (tests inspect them)
+    detach_prefills: bool = False    # a cut fresh prefill goes on, detached, for its retry
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from ..lifecycle import events as ev
 from ..lifecycle import machine, planner
 from ..lifecycle.eventlog import EventLog
 from ..lifecycle.facts import EndpointFacts, Mode
+from ..lifecycle.planner import Plan
 from ..lifecycle.request import Request
 from ..lifecycle.store import ContinuationStore
 from .choice import Choice, make_choice
@@ -36,7 +37,7 @@ from .prefill import Prefill
 from .recovery import recover, rotate
 from .rounds import Rounds
 from .runner import Held, ReuseMismatch, Runner
-from .scheduler import Evict, Preempt, Scheduler
+from .scheduler import End, Evict, Preempt, Scheduler
 from .speculative import AdaptiveDraft
 
 log = logging.getLogger("ninfer.engine")
@@ -124,7 +125,7 @@ class Engine:
         """One engine step; returns the events it committed."""
         self.steps += 1
         self._drain_commands()
-        finishing = [x for x in self.live.values() if x.request.state == "Finishable"]
+        finishing = [x for x in self.live.values() if _ends_here(x.request)]
         for live in finishing:
             self._guarded(live, self.prefill.catch_up)
         for endpoint_id in self.scheduler.over_capacity():
@@ -134,7 +135,8 @@ class Engine:
         for live in list(self.live.values()):
             if self.live.get(live.request.id) is not live:
                 continue  # preempted by another lane's allocation in this step
-            if live.request.state == "Prefilling":
+            state = live.request.state
+            if state == "Prefilling" or (state == "Detached" and live not in finishing):
                 self._guarded(live, self._prefill_step)
             elif live.request.state == "Active":
                 self._guarded(live, self._draft)
@@ -143,7 +145,8 @@ class Engine:
         self.model.synchronize()  # the step commits: its device work has completed
         for live in finishing:  # a turn's state is published once it is complete and fenced
             if self.live.get(live.request.id) is live:
-                self._guarded(live, lambda x: self.exits.leave(x, "finish"))
+                trigger = "cancel" if live.request.state == "Detached" else "finish"
+                self._guarded(live, lambda x, t=trigger: self.exits.leave(x, t))
         self._reconcile()
         if not self.config.keep_finished:  # a long-running server forgets ended requests
             self.requests = {k: r for k, r in self.requests.items()
@@ -173,8 +176,16 @@ class Engine:
             if isinstance(command, Stop):
                 if request is not None and request.state == "Active":
                     self._stop(request, command.reason)
-            elif request is not None and request.state not in machine.TERMINAL:
-                self.exits.cancel(request)
+            elif request is not None and request.state not in (*machine.TERMINAL, "Detached"):
+                self._cut(request)
+
+    def _cut(self, request: Request) -> None:
+        """A client's cancel: a fresh prefill goes on detached when the engine detaches
+        (its client is told now, by PrefillDetached); anything else is cancelled."""
+        if self.config.detach_prefills and request.state == "Prefilling" \
+                and machine.fire(request, "detach"):
+            return
+        self.exits.cancel(request)
 
     def _admit(self, c: Submit) -> None:
         request = Request(
@@ -196,10 +207,37 @@ class Engine:
     # --- scheduling and memory: the scheduler decides, the engine carries it out -------
 
     def _schedule(self) -> None:
-        while (request := self.scheduler.next_start(len(self.live))) is not None:
-            if not self._start(request):
+        """Adoptions first (they need no lane), then starts in line; a detached prefill
+        gives its lane up while a request is left waiting. Each turn of the loop adopts,
+        starts or ends one, so it ends."""
+        while True:
+            detached = [x.request for x in self.live.values() if x.request.state == "Detached"]
+            adopt = self.scheduler.adoption(detached)
+            if adopt is not None:
+                self._adopt(adopt.adopter, self.live[adopt.detached.id])
+                continue
+            request = self.scheduler.next_start(len(self.live))
+            if request is not None and self._start(request):
+                self.scheduler.started(request)
+                continue
+            end = self.scheduler.displaced(detached)
+            if end is None:
                 return
-            self.scheduler.started(request)
+            self.exits.leave(self.live[end.request], "cancel")
+
+    def _adopt(self, adopter: Request, detached: Live) -> None:
+        """`adopter` takes over the detached prefill's lane and captures in place."""
+        old = detached.request
+        del self.live[old.id]
+        taken = machine.fire(old, "adopt", adopter=adopter)
+        assert taken, "the scheduler and the adopt guard apply one rule"
+        self.scheduler.withdraw(adopter)
+        adopter.plan = Plan("Adopted", None, old.cursor, adopted=old.id)
+        adopter.cursor = old.cursor
+        self.live[adopter.id] = Live(adopter, detached.lane,
+                                     AdaptiveDraft(self.config.draft_tokens),
+                                     self.choose(adopter), captures=detached.captures)
+        machine.fire(adopter, "start")
 
     def _start(self, request: Request) -> bool:
         """Plan and materialize; False (and nothing held) when memory is short now."""
@@ -242,6 +280,8 @@ class Engine:
                 relief = self.scheduler.relieve(live.request, lanes, str(exc))
                 if isinstance(relief, Evict):
                     self.evict(relief.endpoint, "memory", commit=False)
+                elif isinstance(relief, End):
+                    self.exits.leave(self.live[relief.request], "cancel")
                 elif isinstance(relief, Preempt):
                     self.preempt(relief.request)
                 else:
@@ -337,6 +377,13 @@ class Engine:
             self.exits.release(live)
         self.live.clear()
         return self.held
+
+
+def _ends_here(request: Request) -> bool:
+    """Leaves its lane at this step's end: a finished turn, or a detached prefill at its
+    goal (each publishes its frontier once complete and fenced)."""
+    return request.state == "Finishable" or (request.state == "Detached"
+                                             and request.cursor >= request.detached_goal)
 
 
 def run_until_idle(engine: Engine, max_steps: int = 100_000) -> int:

@@ -41,11 +41,12 @@ class Prefill:
         self.checkpoint_id, self.facts = checkpoint_id, facts
 
     def step(self, live: Live) -> Prefilled | None:
-        """One chunk; `Prefilled` when the target is reached, else None."""
+        """One chunk; `Prefilled` when the target is reached, else None (a detached prefill
+        stops at its goal, samples nothing and is never `Prefilled`)."""
         request, lane, runner = live.request, live.lane, self.runner
         seq = request.sequence
         start = request.cursor
-        end = min(start + self.chunk, request.target)
+        end = min(start + self.chunk, request.prefill_goal)
         for split in self.checkpoint_positions(request):
             if start < split < end:
                 end = split
@@ -63,7 +64,7 @@ class Prefill:
             request.cursor = end
             request.emit(ev.PrefillAdvanced, cursor=end)
             self._capture_at(live, end)
-        if request.cursor != request.target:
+        if request.cursor != request.target or request.state == "Detached":
             return None
         first = None
         if not request.outputs:  # a fresh request: end > start always (reuse < target)

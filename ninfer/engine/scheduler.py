@@ -6,9 +6,14 @@ out (evicting is an event, preempting and failing are lifecycle triggers) and as
 again, in a loop: no decision here recurses.
 
 Memory pressure is relieved in one order everywhere: the least recently used endpoint
-first (the store's own recency, the order its capacity bound evicts in too), then the
-newest other lane still computing, then the asking lane itself waits (others will finish
-and free memory) or, alone, fails.
+first (the store's own recency, the order its capacity bound evicts in too), then a
+detached prefill (work no client waits for) ends, then the newest other lane still
+computing is preempted, then the asking lane itself waits (others will finish and free
+memory) or, alone, fails.
+
+A detached prefill (a fresh prefill its client cut, going on for the retry) holds its lane
+only while no request waits: a waiting request whose prompt extends it adopts it in place
+(`adoption.refusal` decides), any other waiting request ends it.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from ..lifecycle import adoption
 from ..lifecycle.request import Request
 from ..lifecycle.store import ContinuationStore
 from .pools import BlockPool, SlotPool
@@ -34,13 +40,27 @@ class Preempt(NamedTuple):
     request: str
 
 
+class End(NamedTuple):
+    """End this detached prefill now, publishing its frontier: its lane or memory is
+    needed by a request a client waits for."""
+
+    request: str
+
+
+class Adopt(NamedTuple):
+    """`adopter` (waiting) takes over `detached`'s lane in place."""
+
+    adopter: Request
+    detached: Request
+
+
 class Fail(NamedTuple):
     """The asking request cannot be held even alone."""
 
     message: str
 
 
-Relief = Evict | Preempt | Fail
+Relief = Evict | End | Preempt | Fail
 
 # states in which a lane still computes, so that preempting it frees memory for others
 PREEMPTIBLE = ("Prefilling", "Active")
@@ -81,6 +101,20 @@ class Scheduler:
         assert self.waiting[0] is request, "only the head of the line starts"
         self.waiting.popleft()
 
+    def adoption(self, detached: Sequence[Request]) -> Adopt | None:
+        """A waiting request that adopts one of the `detached` prefills, first in line
+        first (it needs no lane of its own, so it may pass the head of the line)."""
+        for request in self.waiting:
+            for d in detached:
+                if adoption.refusal(d, request) is None:
+                    return Adopt(request, d)
+        return None
+
+    def displaced(self, detached: Sequence[Request]) -> End | None:
+        """The detached prefill that gives its lane up, the oldest first, while a request
+        waits that neither adopts it nor could start."""
+        return End(detached[0].id) if self.waiting and detached else None
+
     def fits(self, request: Request, live: int) -> bool:
         """Room for the whole request beside the lanes already running. Alone, a request
         may always start (it evicts endpoints as it goes); beside others it waits, so that
@@ -108,6 +142,11 @@ class Scheduler:
         evict = self.evictable()
         if evict is not None:
             return evict
+        if asking.state == "Detached":
+            return End(asking.id)
+        detached = [r for r in lanes if r.state == "Detached"]
+        if detached:
+            return End(detached[0].id)
         others = [r for r in lanes if r is not asking and r.state in PREEMPTIBLE]
         if others:
             return Preempt(others[-1].id)      # the newest: it has computed least

@@ -131,7 +131,9 @@ class RequestChecks:
 
     @staticmethod
     def commit(r: _Req, seq: int, request: str, frontier: int, n: int) -> None:
-        """A TokensCommitted of `n` tokens: some, and forward."""
+        """A TokensCommitted of `n` tokens: some, and forward, never for a cut prefill."""
+        if r.state == "Detached":
+            raise InvariantViolation(11, seq, "tokens committed by a detached prefill", request)
         if not n or frontier < r.frontier:
             raise InvariantViolation(9, seq, f"frontier went from {r.frontier} to {frontier}",
                                      request)
@@ -175,6 +177,7 @@ _REQUEST_HANDLERS = {
     "PrefillAdvanced": RequestChecks._advanced,
     "TokensCommitted": RequestChecks._committed,
     "PrefillCompleted": RequestChecks._state("Active"),
+    "PrefillDetached": RequestChecks._state("Detached"),
     "StopReached": RequestChecks._state("Finishable"),
     "RequestPreempted": RequestChecks._state("Queued"),
     "RequestFinished": RequestChecks._finished,
@@ -184,7 +187,7 @@ _REQUEST_HANDLERS = {
 # the kinds whose payload RequestChecks reads (the others: only their kind and request)
 REQUEST_KINDS = frozenset(k for k in _REQUEST_HANDLERS
                           if k not in ("PrefillCompleted", "StopReached", "RequestPreempted",
-                                       "RequestCancelled"))
+                                       "RequestCancelled", "PrefillDetached"))
 
 
 @dataclass(slots=True)
@@ -193,6 +196,8 @@ class _Held:
     session: str | None
     live: bool = False
     ended: bool = False
+    adopted_by: str | None = None     # a detached prefill handed over to this request
+    adopted_at: int = 0               # at this cursor
 
 
 class StoreChecks:
@@ -257,6 +262,8 @@ class StoreChecks:
 
     def _started(self, e: ev.RequestStarted) -> None:
         r = self.requests.get(e.request)
+        if e.plan == "Adopted":
+            self._adoption(e, r)
         if e.endpoint is not None:
             stored = self.store.endpoints.get(e.endpoint)
             if stored is None:
@@ -275,6 +282,24 @@ class StoreChecks:
             raise _violation(7, e, f"{self.live} requests hold lanes, max_concurrency is "
                              f"{self.max_concurrency}")
 
+    def _adopted(self, e: ev.PrefillAdopted) -> None:
+        r = self.requests.get(e.request)
+        if r is not None:
+            r.adopted_by, r.adopted_at = e.by, e.cursor
+
+    def _adoption(self, e: ev.RequestStarted, r: _Held | None) -> None:
+        """An Adopted plan takes over a prefill detached by the same tenant, handed to this
+        request, at the cursor it was handed over at."""
+        a = self.requests.get(e.adopted) if e.adopted is not None else None
+        if a is None or a.adopted_by != e.request or e.endpoint is not None:
+            raise _violation(2, e, f"plan adopts {e.adopted}, which was not handed to it")
+        if r is not None and a.tenant != r.tenant:
+            raise _violation(8, e, f"a prefill of tenant {a.tenant!r} adopted by tenant "
+                             f"{r.tenant!r}")
+        if e.reuse_base != a.adopted_at:
+            raise _violation(2, e, f"reuse_base {e.reuse_base} is not the adopted cursor "
+                             f"{a.adopted_at}")
+
     def _server_started(self, e: ev.ServerStarted) -> None:
         if self.live:
             raise _violation(4, e, f"{self.live} requests still live at a restart")
@@ -292,13 +317,14 @@ LEAVING_KINDS = frozenset({"RequestPreempted", *ev.TERMINAL_KINDS})
 _STORE_HANDLERS = {  # before the fold, which touches the endpoint
     ev.RequestQueued: StoreChecks.queued,
     ev.RequestStarted: StoreChecks._started,
+    ev.PrefillAdopted: StoreChecks._adopted,
 }
 _AFTER_FOLD = {
     ev.ServerStarted: StoreChecks._server_started,
     ev.StoreSnapshotted: StoreChecks._snapshotted,
 }
 # the kinds StoreChecks decodes; every other kind it reads by kind and request (`lane`)
-STORE_KINDS = frozenset({"RequestQueued", *(t.kind for t in _AFTER_FOLD),
+STORE_KINDS = frozenset({"RequestQueued", "PrefillAdopted", *(t.kind for t in _AFTER_FOLD),
                          *FOLD_KINDS})
 
 

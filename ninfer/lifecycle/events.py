@@ -61,10 +61,11 @@ class RequestQueued(Event):
 @event
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RequestStarted(Event):
-    plan: str                   # Root | SharedPrefix | PrivateEndpoint | PrivateAnchor
-    endpoint: str | None        # the endpoint reused, None for Root
+    plan: str                   # Root | SharedPrefix | PrivateEndpoint | PrivateAnchor | Adopted
+    endpoint: str | None        # the endpoint reused, None for Root and Adopted
     reuse_base: int
     target: int                 # tokens whose state must be computed before decoding
+    adopted: str | None = None  # Adopted: the detached request whose lane it took over
 
 
 @event
@@ -107,6 +108,25 @@ class RequestFinished(Event):
 class RequestCancelled(Event):
     at_state: str
     completion_tokens: int = 0
+
+
+@event
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PrefillDetached(Event):
+    """The client cut a fresh prefill: its request is over for the client, its prefill goes
+    on (holding its lane) to `goal`, where its frontier is published."""
+
+    cursor: int
+    goal: int
+
+
+@event
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PrefillAdopted(Event):
+    """A detached prefill taken over in place by request `by`, at `cursor`."""
+
+    by: str
+    cursor: int
 
 
 @event

@@ -43,11 +43,19 @@ def _started(r: Request, _e):
         yield ev.PlanFallback, dict(candidate=fb.candidate, position=fb.position, reason=fb.reason)
     yield ev.RequestStarted, dict(
         plan=r.plan.kind, endpoint=r.plan.endpoint.id if r.plan.endpoint else None,
-        reuse_base=r.plan.reuse_base, target=r.target)
+        reuse_base=r.plan.reuse_base, target=r.target, adopted=r.plan.adopted)
 
 
 def _prefill_completed(r: Request, e):
     yield ev.PrefillCompleted, dict(cursor=r.cursor, first_token=e.kwargs.get("first_token"))
+
+
+def _detached(r: Request, _e):
+    yield ev.PrefillDetached, dict(cursor=r.cursor, goal=r.detached_goal)
+
+
+def _adopted(r: Request, e):
+    yield ev.PrefillAdopted, dict(by=e.kwargs["adopter"].id, cursor=r.cursor)
 
 
 def _stop_reached(r: Request, _e):
@@ -89,6 +97,8 @@ EMITTERS: dict[str, Callable] = {
     "RequestStarted": _started,
     "PrefillCompleted": _prefill_completed,
     "StopReached": _stop_reached,
+    "PrefillDetached": _detached,
+    "PrefillAdopted": _adopted,
     "EndpointPublished": _published,
     "PublicationRefused": _refused,
     "RequestFinished": _finished,

@@ -22,10 +22,11 @@ class Fallback:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    kind: str                          # Root | PrivateEndpoint | PrivateAnchor | SharedPrefix
+    kind: str       # Root | PrivateEndpoint | PrivateAnchor | SharedPrefix | Adopted
     endpoint: EndpointFacts | None
     reuse_base: int
     fallbacks: tuple[Fallback, ...] = ()
+    adopted: str | None = None         # Adopted: the detached request whose lane it takes
 
 
 def matches(tokens: Sequence[int], hashes: tuple[int, ...], endpoint: EndpointFacts) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import salvage
+from . import adoption, salvage
 from .eventlog import EventLog
 from .facts import Mode
 from .hashing import block_hashes
@@ -88,6 +88,17 @@ class Request:
         return block_hashes(self.sequence) if self.outputs else self.hashes
 
     @property
+    def detached_goal(self) -> int:
+        """Where a detached prefill stops and publishes: the last prompt position but one,
+        so that the same prompt sent again plans from it (a plan feeds at least one token)."""
+        return len(self.prompt) - 1
+
+    @property
+    def prefill_goal(self) -> int:
+        """The frontier this request's prefill runs to."""
+        return self.detached_goal if self.state == "Detached" else self.target
+
+    @property
     def reuse_base(self) -> int:
         return self.plan.reuse_base if self.plan else 0
 
@@ -101,6 +112,14 @@ class Request:
 
     def prefill_done(self, _event=None) -> bool:
         return self.cursor == self.target
+
+    def fresh_prefill(self, _event=None) -> bool:
+        """Nothing decoded yet and prompt left to prefill: what a detached prefill needs."""
+        return not self.outputs and self.cursor < self.detached_goal
+
+    def adoptable(self, event) -> bool:
+        """The trigger's `adopter` may take over this detached prefill (adoption.py)."""
+        return adoption.refusal(self, event.kwargs["adopter"]) is None
 
     def salvage_ok(self, event) -> bool:
         """The salvage decided before the trigger publishes the frontier."""

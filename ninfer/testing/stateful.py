@@ -1,5 +1,6 @@
-"""The lifecycle under Hypothesis: submit, step, cancel at any moment, exhaust the pools,
-evict, restart, across modes none / mtp / ngram; every invariant after every rule."""
+"""The lifecycle under Hypothesis: submit, step, cancel at any moment (a cut prefill goes
+on detached when the engine detaches, and a retry may adopt it), exhaust the pools, evict,
+restart, across modes none / mtp / ngram; every invariant after every rule."""
 
 from __future__ import annotations
 
@@ -37,10 +38,11 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     @initialize(spec=st.sampled_from(["mtp", "none", "ngram"]), chunk=st.integers(2, 9),
                 lanes=st.integers(1, 3), blocks=st.sampled_from([40, 96, 400]),
-                draft=st.integers(1, 4))
-    def boot(self, spec, chunk, lanes, blocks, draft):
+                draft=st.integers(1, 4), detach=st.booleans())
+    def boot(self, spec, chunk, lanes, blocks, draft, detach):
         config = EngineConfig(max_concurrency=lanes, prefill_chunk=chunk, spec=spec,
-                              draft_tokens=draft, max_endpoints=8, check_reuse=True)
+                              draft_tokens=draft, max_endpoints=8, check_reuse=True,
+                              detach_prefills=detach)
         self.h = Harness(config, num_blocks=blocks, num_slots=3 * lanes + 10,
                          oracle=self.oracle, model_factory=type(self).model_factory)
 
@@ -82,6 +84,17 @@ class LifecycleMachine(RuleBasedStateMachine):
         """The same messages again (the seed's second request)."""
         prev = self.h.request(self.last[session])
         self._submit(session, prev.prompt, prev.params.max_tokens, boundaries=prev.boundaries)
+
+    @rule(target=conversations, session=conversations)
+    def same_messages_other_tenant(self, session):
+        """Another tenant sends the very same prompt (a shared system prompt and task):
+        nothing of the first tenant's, endpoint or detached prefill, may serve it."""
+        prev = self.h.request(self.last[session])
+        self.sessions += 1
+        other = f"s{self.sessions}"
+        self.tenant[other] = "b" if self.tenant[session] == "a" else "a"
+        self._submit(other, prev.prompt, prev.params.max_tokens, boundaries=prev.boundaries)
+        return other
 
     @rule(n=st.integers(1, 4))
     def step(self, n):

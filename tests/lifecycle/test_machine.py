@@ -142,7 +142,8 @@ def test_guards_are_pure_questions():
                       r.tenant, r.session)
     fields = {k: copy.copy(v) for k, v in vars(r).items() if k != "log"}
     pending = len(r.log.pending)
-    event = SimpleNamespace(kwargs={"salvage": decision}, event=SimpleNamespace(name="finish"))
+    event = SimpleNamespace(kwargs={"salvage": decision, "adopter": _request("r2")},
+                            event=SimpleNamespace(name="finish"))
     for guard in {t["guard"] for t in SPEC["transition"] if "guard" in t}:
         for _ in range(3):
             getattr(r, guard)(event)
