@@ -12,7 +12,7 @@ import torch
 from ninfer.engine.engine import EngineConfig
 from ninfer.flags import override
 from ninfer.model.torch_model import TorchModel
-from ninfer.testing.harness import Harness
+from ninfer.sim.harness import Harness
 
 from .nets import agree_until_tie, attention_chunk_case, reference, tiny_net
 

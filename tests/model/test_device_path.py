@@ -13,7 +13,7 @@ from ninfer.engine.engine import EngineConfig
 from ninfer.flags import override
 from ninfer.model.gdn import SlotGDNState
 from ninfer.model.torch_model import TorchModel
-from ninfer.testing.harness import Harness
+from ninfer.sim.harness import Harness
 
 from .nets import tiny_net
 
