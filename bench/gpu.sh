@@ -4,8 +4,7 @@
 # /tmp/site (never the project's pins), then runs the kernel tests on real shapes and the
 # benchmarks, writing JSON results to $OUT (or bench/results/ when OUT is unset).
 #
-#   bench/gpu.sh [kernels] [engine] [baseline] [skinny] [gdn-sweep] [profile] [persistent]
-#                [gluon] [gluon-persistent]
+#   bench/gpu.sh [kernels] [engine] [baseline] [skinny] [gdn-sweep] [profile]
 #                (default: the first three)
 #
 # Wheels to carry (pip download --no-deps on a machine with network): fla-core,
@@ -45,15 +44,6 @@ for stage in $stages; do
         ;;
     profile)  # kernel by kernel: the decode graphs (with and without PDL), the prefill
         python3 -m ninfer.bench.profile "$OUT/profile-h200.json" || status=1
-        ;;
-    persistent)  # the GEMMs of 24 GDN layers: one persistent kernel against the PDL chain
-        python3 -m ninfer.bench.persistent "$OUT/persistent-h200.json" || status=1
-        ;;
-    gluon)  # the same GEMMs with their weights staged in shared memory (cp.async / TMA)
-        python3 -m ninfer.bench.gluon_chain "$OUT/gluon-chain-h200.json" || status=1
-        ;;
-    gluon-persistent)  # one warp-specialised persistent kernel: a TMA loader, grid barriers
-        python3 -m ninfer.bench.gluon_persistent "$OUT/gluon-persistent-h200.json" || status=1
         ;;
     baseline)
         python3 -c "from ninfer.bench.gpu_engine import baseline; raise SystemExit(baseline('$OUT/baseline-h200.json'))" || status=1

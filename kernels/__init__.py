@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 from types import SimpleNamespace
 
+from ninfer.flags import FLAGS
+
 from .gdn_reference import (
     causal_conv1d_update,
     chunk_gated_delta_rule,
@@ -43,30 +45,23 @@ def device_kernels() -> SimpleNamespace | None:
                            decode_start=decode_start, decode_attention=decode_attention)
 
 
-# Tests set this (with TRITON_INTERPRET=1) to run the model's kernel paths on CPU tensors
-INTERPRET_ON_CPU = False
 _DTYPES = ("bfloat16", "float16", "float32")
 
 
 def kernels_for(x) -> SimpleNamespace | None:
     """The Triton kernels for tensor `x`: on a GPU (or on the CPU in the interpreter, when
-    INTERPRET_ON_CPU), in a dtype they take; None means the torch references."""
-    if not (x.is_cuda or INTERPRET_ON_CPU) or str(x.dtype).removeprefix("torch.") not in _DTYPES:
+    `FLAGS.interpret_on_cpu`), in a dtype they take; None means the torch references."""
+    if not (x.is_cuda or FLAGS.interpret_on_cpu) \
+            or str(x.dtype).removeprefix("torch.") not in _DTYPES:
         return None
     return device_kernels()
 
 
-# GEMMs of up to this many rows (B * T) take the skinny kernels, their neighbours folded in;
-# more rows take cuBLAS. 0 turns them off (the benchmark's "before"); at most 8. One row: on
-# the H200 they made the batch-1 decode step 1.42x faster, and the batch-8 one 0.89x
-# (bench/results/skinny-h200.json), so a batch or a verify keeps cuBLAS
-SKINNY_ROWS = 1
-
-
 def skinny_for(x) -> SimpleNamespace | None:
-    """`kernels_for(x)` where x [..., K] has at most SKINNY_ROWS rows, else None."""
+    """`kernels_for(x)` where x [..., K] has at most `FLAGS.skinny_rows` rows (one, unless
+    a benchmark says otherwise), else None."""
     dev = kernels_for(x)
-    if dev is None or x.numel() > SKINNY_ROWS * x.shape[-1]:
+    if dev is None or x.numel() > FLAGS.skinny_rows * x.shape[-1]:
         return None
     return dev
 

@@ -27,7 +27,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import paged_attention, pdl
+from ninfer.flags import FLAGS
+
+from . import pdl
 from .kv_write import _check, norm_rope
 from .paged_attention import (
     LOG2E,
@@ -38,11 +40,6 @@ from .paged_attention import (
     online_softmax_step,
     split_range,
 )
-
-# KV positions per tile (and so per split's first load, held in registers before the PDL
-# wait) where the heads are wider than 128 or the dtype is float32; narrower bf16 heads
-# take 64. The benchmark times 16 against it (`ninfer.bench.gpu_engine`).
-WIDE_TILE = 32
 
 
 @triton.jit
@@ -165,7 +162,9 @@ def decode_attention(y: Tensor, heads: int, kv_heads: int, head_dim: int, q_norm
     BD = triton.next_power_of_2(D)
     f32 = y.dtype == torch.float32
     BM = max(16, triton.next_power_of_2(G))
-    BN = BN or (64 if D <= 128 and not f32 else WIDE_TILE)
+    # KV positions per tile (and so per split's first load, held in registers before the
+    # PDL wait): fewer where the heads are wider than 128 or the dtype is float32
+    BN = BN or (64 if D <= 128 and not f32 else FLAGS.wide_attention_tile)
     splits = num_splits or _default_splits(B * kv_heads, block_tables.shape[1] * k_cache.shape[1],
                                            BN)
     num_warps = num_warps or (8 if f32 or BM * BD > 4096 else 4)
@@ -186,7 +185,7 @@ def decode_attention(y: Tensor, heads: int, kv_heads: int, head_dim: int, q_norm
         p_strides[0], p_strides[2], p_strides[3], l_strides[0], l_strides[2],
         H=heads, HKV=kv_heads, G=G, D=D, R=cos.shape[-1], BD=BD, BLOCK=k_cache.shape[1],
         BM=BM, BN=BN, SPLITS=splits, F32_DOT=f32 or _interpreting(),
-        SKIP=paged_attention.SKIP_EMPTY, num_warps=num_warps, **pdl.launch(y))
+        SKIP=FLAGS.skip_empty_splits, num_warps=num_warps, **pdl.launch(y))
     if splits > 1:
         merge_splits(out, part_o, part_l, p_strides, l_strides, splits, BN, positions[:, 0],
                      add=1, early=True)

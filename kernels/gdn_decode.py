@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ninfer.flags import FLAGS
+
 from . import pdl
 
 L2_EPS = 1e-6  # as ninfer.model.gdn.l2_normalize: x * rsqrt(sum x^2 + eps)
@@ -116,10 +118,6 @@ def _gdn_decode_kernel(
         tl.store(p_s + (dest - slot) * s_sn, S, mask=live)
 
 
-# (BV, num_warps) for calls that give neither; None: the rules of `_default_bv` and the
-# launch (the engine bench's `gdn_tile_b1` row times alternatives, `ninfer.bench.gpu_engine`)
-TILE: tuple[int, int] | None = None
-
 
 def _default_bv(lanes_heads: int, Dv: int) -> int:
     # 32 at every batch: in anchor-1b's batch-1 decode graph on the H200, 64 programs of
@@ -199,8 +197,8 @@ def fused_recurrent_gated_delta_rule(
         a_strides = out_states.stride()[:4]
     else:
         a_strides = (0, 0, 0, 0)
-    if BV is None and num_warps is None and TILE is not None:
-        BV, num_warps = TILE
+    if BV is None and num_warps is None and FLAGS.gdn_step_tile is not None:
+        BV, num_warps = FLAGS.gdn_step_tile
     BV = BV or _default_bv(B * Hv, Dv)
     # sm_90 at Dk 128: BV 16 / 4 warps takes 96 registers, BV 32 / 4 warps 167, BV 64 needs 8
     num_warps = num_warps or (8 if BV >= 64 else 4)

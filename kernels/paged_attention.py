@@ -5,11 +5,11 @@ program per (lane, KV head, query-row block, split) computes an online softmax o
 (float32) for all the query heads sharing that KV head and all T positions, and a second
 kernel merges the splits by their log-sum-exp. The splits follow each lane's actual
 seq_len at run time, so the grid depends only on shapes (CUDA-graph friendly). A split
-with no tile of its lane's positions ends at once (`SKIP_EMPTY`), before its PDL wait, and
-writes nothing: the merge reads only the splits that worked, which it counts from the same
-seq_len. At batch 1 the grid has ~2 programs per SM so that a long context fills the GPU,
-and at a short one all but a few would otherwise wait, write an empty part, and have the
-merge read it.
+with no tile of its lane's positions ends at once (`FLAGS.skip_empty_splits`), before its
+PDL wait, and writes nothing: the merge reads only the splits that worked, which it counts
+from the same seq_len. At batch 1 the grid has ~2 programs per SM so that a long context
+fills the GPU, and at a short one all but a few would otherwise wait, write an empty part,
+and have the merge read it.
 """
 
 from __future__ import annotations
@@ -21,13 +21,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ninfer.flags import FLAGS
+
 from . import pdl
 
 LOG2E = 1.4426950408889634
-# Splits with no tile to attend end before their wait and write nothing; the merge reads
-# only the splits that worked. False: every split waits and writes (an empty part, log-sum-
-# exp -inf), the benchmark's "before" (`ninfer.bench.gpu_engine`).
-SKIP_EMPTY = True
 
 
 def _interpreting() -> bool:
@@ -262,7 +260,7 @@ def paged_attention_decode(
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         *out.stride()[:3], *p_strides, *l_strides,
         HKV=Hkv, G=G, D=D, BD=BD, BLOCK=block_size, BM=BM, BN=BN, SPLITS=splits,
-        CAUSAL=causal_tail, F32_DOT=f32 or _interpreting(), SKIP=SKIP_EMPTY,
+        CAUSAL=causal_tail, F32_DOT=f32 or _interpreting(), SKIP=FLAGS.skip_empty_splits,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch(q),
     )
     if splits > 1:
@@ -285,7 +283,8 @@ def merge_splits(out: Tensor, part_o: Tensor, part_l: Tensor, p_strides, l_strid
     _paged_attn_merge_kernel[(B * T, Hq, triton.cdiv(D, BDM))](
         out, part_o, part_l, lengths, T, lengths.stride(0), add,
         *out.stride()[:3], *p_strides, *l_strides,
-        D=D, BDM=BDM, SPLITS=splits, BS=BS, BN=BN, SKIP=SKIP_EMPTY, EARLY_LEN=early,
+        D=D, BDM=BDM, SPLITS=splits, BS=BS, BN=BN, SKIP=FLAGS.skip_empty_splits,
+        EARLY_LEN=early,
         num_warps=4, **pdl.launch(out),
     )
 

@@ -19,7 +19,7 @@ and what its first kernel writes for them is fenced (below; `early_state` of
 
 `launch(x)` gives the launch keywords for a kernel over tensor x: `PDL` (the kernel's
 constexpr: whether to emit the two instructions) and, where it applies, `launch_pdl`.
-NINFER_PDL=0 turns it off (the benchmark's "before").
+`ninfer.flags.FLAGS.pdl` turns it off (NINFER_PDL=0; the benchmark's "before").
 
 A fence (`fence(x)`): a kernel that writes what later kernels read before their wait (a
 zero-copy decode step's first kernel, which fetches the staged inputs) asks that nothing
@@ -33,12 +33,13 @@ finished."""
 from __future__ import annotations
 
 import functools
-import os
 import threading
 
 import torch
 import triton
 import triton.language as tl
+
+from ninfer.flags import FLAGS
 
 
 @functools.cache
@@ -47,15 +48,11 @@ def _supported(index: int) -> bool:
 
 
 def enabled(x: torch.Tensor) -> bool:
-    """Whether kernels over x launch with PDL: a Hopper-or-later GPU, not turned off."""
-    return (x.is_cuda and os.environ.get("NINFER_PDL", "1") != "0"
-            and _supported(x.device.index or 0))
+    """Whether kernels over x launch with PDL: a Hopper-or-later GPU, `FLAGS.pdl`."""
+    return x.is_cuda and FLAGS.pdl and _supported(x.device.index or 0)
 
 
 _fence = threading.local()  # .pending: a fence not yet kept by a launch (this thread's)
-# False: a fence is kept by a barrier whatever the next kernel (the benchmark's "before",
-# `ninfer.bench.gpu_engine`)
-FENCE_IN_KERNEL = True
 
 
 def fence(x: torch.Tensor) -> None:
@@ -73,7 +70,7 @@ def launch(x: torch.Tensor, fenced: bool = False) -> dict:
         return {"PDL": False, **({"FENCE": False} if fenced else {})}
     pending = getattr(_fence, "pending", False)
     _fence.pending = False
-    if pending and not (fenced and FENCE_IN_KERNEL):
+    if pending and not (fenced and FLAGS.fence_in_kernel):
         _barrier_kernel[(1,)](x)  # launched without PDL
         pending = False
     return {"PDL": True, "launch_pdl": True, **({"FENCE": pending} if fenced else {})}

@@ -39,16 +39,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ninfer.flags import FLAGS
+
 from . import pdl
 from .fused import _rows
 from .greedy import KEY_NONE_C, key_of
 
 NONE, RMS, GATED, SIGMOID = 0, 1, 2, 3
 MAX_ROWS = 8
-# The conv epilogue reads the lanes' tails before the PDL wait: a decode step's slot pool,
-# written only by earlier forwards or the host (`kernels.pdl`'s exception, as the GDN step's
-# `early_state`). False: after the wait, the benchmark's "before" (`ninfer.bench.gpu_engine`).
-EARLY_CONV = True
 
 
 class Tiles(NamedTuple):
@@ -62,14 +60,11 @@ class Tiles(NamedTuple):
     dot: bool = False
 
 
-# Measured tilings by (1 row or several, N, K, glu), ahead of the rules below: the
-# benchmark (`ninfer.bench.skinny`) fills it from its sweep to time the model with them
-TUNED: dict[tuple[bool, int, int, bool], Tiles] = {}
-
 
 def tiles_for(M: int, N: int, K: int, glu: bool, device: torch.device) -> Tiles:
-    """The tiling for an [M, K] x [N, K] call (measured on an H200: `ninfer.bench.skinny`)."""
-    tuned = TUNED.get((M == 1, N, K, glu))
+    """The tiling for an [M, K] x [N, K] call (measured on an H200: `ninfer.bench.skinny`);
+    on a GPU a tiling in `FLAGS.skinny_tiles` (the benchmark's sweep) comes first."""
+    tuned = FLAGS.skinny_tiles.get((M == 1, N, K, glu))
     if tuned is not None and device.type == "cuda":
         return tuned
     if device.type != "cuda":  # the interpreter: as few programs as fit, each one step
@@ -151,7 +146,7 @@ def _accumulate(acc, xv, wv, DOT: tl.constexpr, IEEE: tl.constexpr):
 @triton.jit
 def _conv_tails(conv_ptr, slot_ptr, dest_ptr, cw_ptr, rows, rm, ns, nm, C, s_cn, s_cc, s_cwc,
                 s_cwk, KC: tl.constexpr, KP: tl.constexpr):
-    """For the conv epilogue, loaded before the PDL wait (`EARLY_CONV`), so that their two
+    """For the conv epilogue, loaded before the PDL wait (EARLY_CONV), so that their two
     dependent round trips (the slot, then its tail) overlap the kernel before: the tails
     of the lanes' slots (pool [slots, C, KC-1], lane r at slot slot_ptr[r], negative: a
     padding lane, zeros) as [BM, BN, KP] entries 0 .. KC-2 and again shifted by one, the
@@ -380,7 +375,7 @@ def _launch(x: Tensor, w: Tensor, *, prologue: int = NONE, norm_weight: Tensor |
         SINGLE=t.split == 1 and t.bk >= K, CONV=conv is not None,
         KC=cw.shape[1] if conv is not None else 2,
         KP=triton.next_power_of_2(cw.shape[1]) if conv is not None else 2,
-        ARGMAX=argmax is not None, EARLY_CONV=EARLY_CONV, num_warps=t.warps,
+        ARGMAX=argmax is not None, EARLY_CONV=FLAGS.early_conv, num_warps=t.warps,
         **pdl.launch(x, fenced=True))
     y = y.view(*x.shape[:-1], N)
     return (y, xn.view(x.shape)) if normed else y
@@ -420,7 +415,7 @@ def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, w: Tensor, *, glu: b
     continuing from the tail in pool[slots[r]] ([slots, C, K-1]), which is updated in place
     (a negative slot: zeros, not written), as `kernels.conv1d.causal_conv1d_update`;
     `conv=(pool, slots, weight, dests)` writes the new tails to pool[dests[r]] instead.
-    The pool and the slots are read before the PDL wait (`EARLY_CONV`; after it in the
+    The pool and the slots are read before the PDL wait (`FLAGS.early_conv`; after it in the
     kernel that keeps a fence, `kernels.pdl`): nothing launched in the same forward may
     write them (a decode step's slot pool).
     `argmax`: int64 [rows], each row's greedy key over y (`kernels.greedy`) folded in by

@@ -13,7 +13,7 @@ from .tools.journal import add_journal_parser
 
 
 def _fuzz(args: argparse.Namespace) -> int:
-    from .fuzz import run_stateful
+    from .fuzz.command import run_stateful
     return run_stateful(minutes=args.minutes, max_examples=args.max_examples, seed=args.seed)
 
 

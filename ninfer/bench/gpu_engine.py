@@ -9,21 +9,21 @@ transformers + fla on the same weights, each measured in the run that reports it
   forced wrong; each after a warm run, as the decode figures), plus the model's own step
   time (a graph replay and its argmax), a verify of 4 positions and an MTP head step (graph
   replays too: `ninfer.model.spec_graphs`) against a plain step; decode at batch 1 again
-  with the graphs not running the next step ahead (`ninfer.model.graphs`), the same-run
-  "before" of that; and decode at batch 1 under each value of a setting, the graphs
-  captured afresh for each, in turn three times (runs drift by ~2% over a minute): the
-  median of each and their ratio. The settings: zero-copy staging (`ninfer.model.graphs`),
-  the conv tails read before or after the PDL wait (`kernels.skinny.EARLY_CONV`), the
-  zero-copy step's fence kept by its first GEMM or by a barrier
-  (`kernels.pdl.FENCE_IN_KERNEL`), the attention's empty splits skipped or not at 64 and
-  1K tokens of context (`kernels.paged_attention.SKIP_EMPTY`), the attention's tile for
-  wide heads at 64 and 4K (`kernels.decode_attention.WIDE_TILE`), and the GDN step's value
-  tile and warps (`kernels.gdn_decode.TILE`). `skinny_rows`: a verify of 4 positions,
-  batch-4 / 8 decode and MTP with drafts forced right, with GEMMs of up to 4 rows through
-  cuBLAS or the skinny kernels (`kernels.SKINNY_ROWS`), in turn. `verify_in_place`: a
-  verify of 4 positions gathering the GDN slots first or reading them in place.
-  `mtp_span_graphs`: MTP with drafts forced right, the MTP layer's catch-up of a round's
-  positions eager (`ninfer.model.spec_graphs.MAX_SPAN` 1) or replayed from graphs.
+  with the graphs not running the next step ahead (`run_ahead`), the same-run "before" of
+  that; and decode at batch 1 under each value of a flag, the graphs captured afresh for
+  each, in turn three times (runs drift by ~2% over a minute): the median of each and their
+  ratio. The flags (`ninfer.flags`, switched with `override`): zero-copy staging
+  (`zero_copy`), the conv tails read before or after the PDL wait (`early_conv`), the
+  zero-copy step's fence kept by its first GEMM or by a barrier (`fence_in_kernel`), the
+  attention's empty splits skipped or not at 64 and 1K tokens of context
+  (`skip_empty_splits`), the attention's tile for wide heads at 64 and 4K
+  (`wide_attention_tile`), and the GDN step's value tile and warps (`gdn_step_tile`).
+  `skinny_rows`: a verify of 4 positions, batch-4 / 8 decode and MTP with drafts forced
+  right, with GEMMs of up to 4 rows through cuBLAS or the skinny kernels (`skinny_rows`),
+  in turn. `verify_in_place`: a verify of 4 positions gathering the GDN slots first or
+  reading them in place (`verify_in_place`). `mtp_span_graphs`: MTP with drafts forced
+  right, the MTP layer's catch-up of a round's positions eager (`mtp_graph_span` 1) or
+  replayed from graphs.
   `removal_bounds_b1`: batch-1 decode with the GDN step, the attention's merge, the whole
   attention, or the GDN step and the attention left out of the graph (wrong tokens): how
   much of a step those kernels cost, so what any change to them could gain at most.
@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from ..flags import FLAGS, override
 from .report import write_line
 
 ANCHOR_DIR = Path("/tmp/ninfer-anchor-1b")
@@ -103,59 +104,39 @@ def model_steps(bench) -> dict:
     return out
 
 
-def _without_ahead(bench, run):
+def _without_ahead(run):
     """run() with the decode graphs not running the next step ahead (the "before")."""
-    graphs = bench.om.model.graphs
-    if graphs is None:
+    with override(run_ahead=False):
         return run()
-    graphs.run_ahead = False
-    try:
-        return run()
-    finally:
-        graphs.run_ahead = True
 
 
-def _recaptured(bench, run, **settings):
-    """run() with the decode and verify graphs captured afresh under `settings`
-    (DecodeGraphs' attributes, such as zero_copy), then captured again as they were (run: a
-    warm one, its first call captures)."""
+def _recaptured(bench, run, **flags):
+    """run() with `flags` (`ninfer.flags`) overridden and the decode and verify graphs
+    captured afresh under them, then dropped again, so that the next run captures them as
+    the flags were (run: a warm one, its first call captures)."""
     graphs = bench.om.model.graphs
     if graphs is None:
         return {"error": "no decode graphs"}
-    before = {k: getattr(graphs, k) for k in settings}
 
-    def recapture(values: dict) -> None:
+    def drop() -> None:
         graphs.drop_ahead()
         graphs.graphs = {}
-        if bench.om.model.verify_graphs is not None:  # (a kernel setting may change them;
+        if bench.om.model.verify_graphs is not None:  # (a kernel flag may change them;
             # the MTP head's graphs stay: dropping every graph of the shared pool at once
             # trips an assertion of torch's caching allocator at the next capture)
             bench.om.model.verify_graphs.graphs = {}
-        for k, v in values.items():
-            setattr(graphs, k, v)
 
-    recapture(settings)
+    drop()
     try:
-        return run()
+        with override(**flags):
+            return run()
     finally:
-        recapture(before)
-
-
-def _switched(bench, run, module, name: str, value):
-    """run() with the kernels' setting `module.name` set to value (such as
-    `kernels.skinny.EARLY_CONV`, or `kernels.SKINNY_ROWS`), the graphs captured afresh for
-    it."""
-    before = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        return _recaptured(bench, run)
-    finally:
-        setattr(module, name, before)
+        drop()
 
 
 def skinny_rows_row(bench, rounds: int = 3) -> dict:
     """A verify of 4 positions (and batch-4 / 8 decode, and MTP with drafts forced right)
-    with GEMMs of up to 4 rows through cuBLAS (SKINNY_ROWS 1, the default) or through the
+    with GEMMs of up to 4 rows through cuBLAS (`skinny_rows` 1, the default) or through the
     skinny kernels (4), in turn: each figure's median and every run's. (The MTP head's
     graphs are not captured afresh: `_recaptured`.)"""
     def figures() -> dict:  # each run twice: the first captures the graphs afresh
@@ -169,27 +150,25 @@ def skinny_rows_row(bench, rounds: int = 3) -> dict:
                 "decode_b8_tok_s": b8["tok_s"], "mtp_accept_tok_s": accept["tok_s"],
                 "mtp_accept_tokens_per_verify": accept["tokens_per_verify"]}
 
-    import kernels
     variants = {"rows_1": 1, "rows_4": 4}
     runs: dict[str, list[dict]] = {name: [] for name in variants}
     for rows in variants.values():  # warm: the first call of a shape compiles and captures
-        _switched(bench, figures, kernels, "SKINNY_ROWS", rows)
+        _recaptured(bench, figures, skinny_rows=rows)
     for _ in range(rounds):
         for name, rows in variants.items():
-            runs[name].append(_switched(bench, figures, kernels, "SKINNY_ROWS", rows))
+            runs[name].append(_recaptured(bench, figures, skinny_rows=rows))
     return {name: {key: sorted(r[key] for r in rs)[rounds // 2] for key in rs[0]}
             | {"runs": rs} for name, rs in runs.items()}
 
 
 def verify_in_place_row(bench, rounds: int = 3) -> dict:
     """A verify of 4 positions whose GDN layers gather the lanes' slots first or read them
-    in place (`ninfer.model.gdn.VERIFY_IN_PLACE`), in turn: each median and every run."""
-    from ..model import gdn
+    in place (`FLAGS.verify_in_place`), in turn: each median and every run."""
     runs: dict[str, list[float]] = {"gather": [], "in_place": []}
     for _ in range(rounds + 1):  # the first round warms
         for name, value in (("gather", False), ("in_place", True)):
-            us = _switched(bench, lambda: model_steps(bench)["verify4_us"], gdn,
-                           "VERIFY_IN_PLACE", value)
+            us = _recaptured(bench, lambda: model_steps(bench)["verify4_us"],
+                             verify_in_place=value)
             runs[name].append(us)
     out = {name: {"verify4_us": sorted(v[1:])[rounds // 2], "runs": v[1:]}
            for name, v in runs.items()}
@@ -283,42 +262,36 @@ def main(json_path: str | None = None, only: str | None = None) -> int:
         steps.append((f"decode_b{batch}",
                       warm(lambda batch=batch: b.decode(batch, tokens=DECODE_TOKENS))))
     steps.append(("decode_b1_no_ahead", warm(lambda: _without_ahead(
-        b, lambda: b.decode(1, tokens=DECODE_TOKENS)))))
+        lambda: b.decode(1, tokens=DECODE_TOKENS)))))
     steps.append(("zero_copy_b1", lambda: _in_turn(
         {"copies": {"zero_copy": False}, "zero_copy": {"zero_copy": True}},
-        lambda settings: _recaptured(b, warm(lambda: b.decode(1, tokens=DECODE_TOKENS)),
-                                     **settings))))
-    from kernels import decode_attention, gdn_decode, paged_attention, pdl, skinny
-    for row, module, name, variants, context in (
-            ("early_conv_b1", skinny, "EARLY_CONV", {"after_wait": False, "before_wait": True},
+        lambda flags: _recaptured(b, warm(lambda: b.decode(1, tokens=DECODE_TOKENS)),
+                                  **flags))))
+    for row, flag, variants, context in (
+            ("early_conv_b1", "early_conv", {"after_wait": False, "before_wait": True}, 64),
+            ("fence_b1", "fence_in_kernel", {"barrier": False, "in_kernel": True}, 64),
+            ("skip_empty_b1", "skip_empty_splits", {"every_split": False, "skip_empty": True},
              64),
-            ("fence_b1", pdl, "FENCE_IN_KERNEL", {"barrier": False, "in_kernel": True}, 64),
-            ("skip_empty_b1", paged_attention, "SKIP_EMPTY",
-             {"every_split": False, "skip_empty": True}, 64),
-            ("skip_empty_b1_1k", paged_attention, "SKIP_EMPTY",
+            ("skip_empty_b1_1k", "skip_empty_splits",
              {"every_split": False, "skip_empty": True}, 1024),
-            ("attention_tile_b1", decode_attention, "WIDE_TILE", {"32": 32, "16": 16}, 64),
-            ("attention_tile_b1_4k", decode_attention, "WIDE_TILE", {"32": 32, "16": 16},
-             4096),
-            ("gdn_tile_b1", gdn_decode, "TILE",
+            ("attention_tile_b1", "wide_attention_tile", {"32": 32, "16": 16}, 64),
+            ("attention_tile_b1_4k", "wide_attention_tile", {"32": 32, "16": 16}, 4096),
+            ("gdn_tile_b1", "gdn_step_tile",
              {"bv32_4warps": None, "bv16_1warp": (16, 1), "bv8_1warp": (8, 1),
               "bv32_1warp": (32, 1)}, 64)):
-        steps.append((row, lambda module=module, name=name, variants=variants,
-                      context=context: _in_turn(
-            {label: {"value": value} for label, value in variants.items()},
-            lambda settings: _switched(b, warm(lambda: b.decode(
-                1, tokens=DECODE_TOKENS, context=context)), module, name, **settings))))
+        steps.append((row, lambda flag=flag, variants=variants, context=context: _in_turn(
+            {label: {flag: value} for label, value in variants.items()},
+            lambda flags: _recaptured(b, warm(lambda: b.decode(
+                1, tokens=DECODE_TOKENS, context=context)), **flags))))
     steps.append(("removal_bounds_b1", lambda: removal_bounds_row(b)))
     steps.append(("decode_b1_4k",
                   warm(lambda: b.decode(1, tokens=DECODE_TOKENS, context=4096))))
     steps.append(("skinny_rows", lambda: skinny_rows_row(b)))
     steps.append(("verify_in_place", lambda: verify_in_place_row(b)))
-    from ..model import spec_graphs
     steps.append(("mtp_span_graphs", lambda: _in_turn(  # the MTP catch-up eager or replayed
-        {"eager": {"value": 1}, "graphs": {"value": spec_graphs.MAX_SPAN}},
-        lambda settings: _switched(b, warm(lambda: b.decode(
-            1, tokens=DECODE_TOKENS, spec="mtp", drafts="accept")), spec_graphs, "MAX_SPAN",
-            **settings))))
+        {"eager": {"mtp_graph_span": 1}, "graphs": {"mtp_graph_span": FLAGS.mtp_graph_span}},
+        lambda flags: _recaptured(b, warm(lambda: b.decode(
+            1, tokens=DECODE_TOKENS, spec="mtp", drafts="accept")), **flags))))
     for drafts in (None, "accept", "reject"):  # warm too: a verify graph per round length
         steps.append((f"mtp_{drafts or 'model'}", warm(
             lambda d=drafts: b.decode(1, tokens=DECODE_TOKENS, spec="mtp", drafts=d))))

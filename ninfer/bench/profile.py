@@ -13,12 +13,12 @@ kernel by kernel, to choose the next kernel to write.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections import defaultdict
 
 import torch
 
+from ..flags import override
 from .report import write_line
 
 REPLAYS = 20
@@ -85,20 +85,19 @@ def decode() -> dict:
     from .skinny import _events_us, anchor_model
     m = anchor_model()
     out: dict = {}
-    for pdl in ("1", "0"):
-        os.environ["NINFER_PDL"] = pdl
-        m.graphs = DecodeGraphs(m)  # captured afresh under this setting
-        m.graphs.zero_copy = False  # replayed here, not staged by DecodeGraphs
-        for B in (1, 8):
-            lanes = [Lane(slot=i, attn_blocks=list(range(i * 64, i * 64 + 64)))
-                     for i in range(B)]
-            m.forward_batch([(lane, [7], 1000) for lane in lanes])  # captures
-            graph = m.graphs.graphs[(B, 64)].graph
-            launches, rows = kernel_table(graph.replay, REPLAYS)
-            out[f"b{B}_pdl{pdl}"] = {"replay_us": _events_us(graph.replay, REPLAYS),
-                                     "launches": launches, "kernels": rows,
-                                     "critical_path": critical_path(graph.replay)}
-    os.environ.pop("NINFER_PDL")
+    for pdl in (True, False):
+        # zero_copy off: the graphs are replayed here, not staged by DecodeGraphs
+        with override(pdl=pdl, zero_copy=False):
+            m.graphs = DecodeGraphs(m)  # captured afresh under these flags
+            for B in (1, 8):
+                lanes = [Lane(slot=i, attn_blocks=list(range(i * 64, i * 64 + 64)))
+                         for i in range(B)]
+                m.forward_batch([(lane, [7], 1000) for lane in lanes])  # captures
+                graph = m.graphs.graphs[(B, 64)].graph
+                launches, rows = kernel_table(graph.replay, REPLAYS)
+                out[f"b{B}_pdl{int(pdl)}"] = {
+                    "replay_us": _events_us(graph.replay, REPLAYS), "launches": launches,
+                    "kernels": rows, "critical_path": critical_path(graph.replay)}
     return out
 
 

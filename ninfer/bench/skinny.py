@@ -7,27 +7,27 @@ and without them, in one run.
   each as a CUDA graph of calls over distinct copies of the weight (more bytes than L2
   holds: the model reads each weight once a step), in us per call and TB/s of weight read.
 - model: anchor-1b (gpu_engine's shape) with random bf16 weights built on the device (no
-  files), decode graphs captured with SKINNY_ROWS = 0 (cuBLAS and the fused elementwise
-  kernels: before) and 8 (after): a graph replay at batch 1 and 8 by CUDA events, the
-  engine's `forward_batch` as gpu_engine's step_b1_us (replay, host copies and argmax), and
-  how far the logits of the two are apart on the same inputs.
+  files), decode graphs captured with the flag `skinny_rows` 0 (cuBLAS and the fused
+  elementwise kernels: before) and 8 (after), through `ninfer.flags.override`: a graph
+  replay at batch 1 and 8 by CUDA events, the engine's `forward_batch` as gpu_engine's
+  step_b1_us (replay, host copies and argmax), and how far the logits of the two are apart
+  on the same inputs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-import kernels
 from kernels import skinny
 from kernels.skinny import Tiles
 
+from ..flags import override
 from .gpu_engine import ANCHOR
 from .report import write_line
 
@@ -190,7 +190,7 @@ def _wall_us(fn, reps: int = 50) -> float:
 
 
 def tuned_tiles(sweep: dict) -> dict:
-    """The sweep's fastest tiling per shape, as `skinny.TUNED` keys it."""
+    """The sweep's fastest tiling per shape, as the flag `skinny_tiles` keys it."""
     tuned = {}
     for name, N, K, glu, _ in SHAPES:
         for M in (1, 8):
@@ -211,29 +211,23 @@ def bench_model(tuned: dict) -> dict:
     # that again without PDL (kernels.pdl) to show what the overlapped launches bring
     modes = [("before", 0, {}, True), ("after", 8, {}, True)] + (
         [("tuned", 8, tuned, True), ("tuned_nopdl", 8, tuned, False)] if tuned else [])
-    default = kernels.SKINNY_ROWS
     for label, rows, table, with_pdl in modes:
-        os.environ["NINFER_PDL"] = "1" if with_pdl else "0"
-        kernels.SKINNY_ROWS = rows
-        skinny.TUNED.clear()
-        skinny.TUNED.update(table)
-        m.graphs = DecodeGraphs(m)  # captured afresh under this setting
-        m.graphs.zero_copy = False  # replayed here, not staged by DecodeGraphs
-        for B in (1, 8):
-            lanes = [Lane(slot=i, attn_blocks=list(range(i * 64, i * 64 + 64)))
-                     for i in range(B)]
-            items = [(lane, [7 + i], 1000) for i, lane in enumerate(lanes)]
-            for i in m.conv:
-                m.conv[i].zero_()
-                m.recurrent[i].zero_()
-            first = m.forward_batch(items)  # captures; from the zero state: compared below
-            logits[(label, B)] = torch.stack([f.logits[0].float() for f in first])
-            cap = m.graphs.graphs[(B, 64)]
-            out[f"{label}_replay_b{B}_us"] = _events_us(cap.graph.replay)
-            out[f"{label}_step_b{B}_us"] = _wall_us(lambda items=items: m.forward_batch(items))
-    kernels.SKINNY_ROWS = default
-    os.environ.pop("NINFER_PDL")
-    skinny.TUNED.clear()
+        # zero_copy off: the graphs are replayed here, not staged by DecodeGraphs
+        with override(pdl=with_pdl, skinny_rows=rows, skinny_tiles=table, zero_copy=False):
+            m.graphs = DecodeGraphs(m)  # captured afresh under these flags
+            for B in (1, 8):
+                lanes = [Lane(slot=i, attn_blocks=list(range(i * 64, i * 64 + 64)))
+                         for i in range(B)]
+                items = [(lane, [7 + i], 1000) for i, lane in enumerate(lanes)]
+                for i in m.conv:
+                    m.conv[i].zero_()
+                    m.recurrent[i].zero_()
+                first = m.forward_batch(items)  # captures; from the zero state: compared
+                logits[(label, B)] = torch.stack([f.logits[0].float() for f in first])
+                cap = m.graphs.graphs[(B, 64)]
+                out[f"{label}_replay_b{B}_us"] = _events_us(cap.graph.replay)
+                out[f"{label}_step_b{B}_us"] = _wall_us(
+                    lambda items=items: m.forward_batch(items))
     out["tuned_tiles"] = {str(k): tuple(v) for k, v in tuned.items()}
     for label, *_ in modes[1:]:
         for B in (1, 8):

@@ -15,6 +15,7 @@ from kernels.gdn_reference import (
     recurrent_gated_delta_rule,
 )
 
+from ..flags import FLAGS
 from .config import ModelConfig
 from .layers import GatedRMSNorm, RMSNorm, cast, compute_dtype, packed_weight
 
@@ -67,10 +68,6 @@ class SlotGDNState:
     def gather(self) -> GDNState:
         return GDNState(self.conv_pool[self.slots], self.rec_pool[self.slots])
 
-
-# A verify on the GPU reads the lanes' slot pools in place (False: gathers them first, the
-# benchmark's "before": the `verify_in_place` row of `ninfer.bench.gpu_engine`)
-VERIFY_IN_PLACE = True
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -180,7 +177,7 @@ class GatedDeltaNet(nn.Module):
         if isinstance(state, SlotGDNState):
             if dev is not None and T == 1 and not all_states:
                 return self._step_in_place(x, state, dev, norm, residual), state
-            if dev is not None and all_states and VERIFY_IN_PLACE:
+            if dev is not None and all_states and FLAGS.verify_in_place:
                 return self._verify_off_pools(x, state, dev, norm, residual)
             state = state.gather()
         qkv, z, b, a = self._project(x, norm)

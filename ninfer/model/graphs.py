@@ -13,20 +13,21 @@ logits and last hidden states come back in static outputs, copied out before the
 replay. The LM head folds each lane's greedy token into a key (`kernels.greedy`) inside
 the graph, so no argmax runs between replays.
 
-Zero-copy staging (on by default; NINFER_ZERO_COPY=0 turns it off). The copy of the
-inputs before a replay and of the greedy keys after it would be stream operations of their
-own between two replays (batch-1 decode through the engine was 0.85% slower with them on
-the H100, three runs each in turn). Instead the host stages each launch's inputs in a row of
-a pinned ring, the row's first word the launch's number; the graph's first kernel reads the
-row of the device's turn over the bus and copies it into the static buffer, and its last
-kernel (`kernels.greedy.publish_keys`) writes the keys into the host's ring, with the
-number of the launch whose row it read, and moves the turn on. Every replay of such a graph must be
-launched here (`_launch` counts them): a row staged for another launch is not used (the
-ring's neutral last row is: padding lanes only) and reading that step's tokens raises
-(`OutOfStep`; the turn is then set back to the host's, so the next step runs). (A
-benchmark that replays the graph itself turns it off.) The kernels of the step read the
-staged inputs before their PDL wait, so the first kernel fences them (`kernels.pdl.fence`:
-the GEMM after it lets nothing start before it has finished).
+Zero-copy staging (`FLAGS.zero_copy`, read at each capture: on unless NINFER_ZERO_COPY=0,
+`ninfer.flags`). The copy of the inputs before a replay and of the greedy keys after it
+would be stream operations of their own between two replays (batch-1 decode through the
+engine was 0.85% slower with them on the H100, three runs each in turn). Instead the host
+stages each launch's inputs in a row of a pinned ring, the row's first word the launch's
+number; the graph's first kernel reads the row of the device's turn over the bus and copies
+it into the static buffer, and its last kernel (`kernels.greedy.publish_keys`) writes the
+keys into the host's ring, with the number of the launch whose row it read, and moves the
+turn on. Every replay of such a graph must be launched here (`_launch` counts them): a row
+staged for another launch is not used (the ring's neutral last row is: padding lanes only)
+and reading that step's tokens raises (`OutOfStep`; the turn is then set back to the
+host's, so the next step runs). (A benchmark that replays the graph itself captures it with
+the flag off.) The kernels of the step read the staged inputs before their PDL wait, so the
+first kernel fences them (`kernels.pdl.fence`: the GEMM after it lets nothing start before
+it has finished).
 
 Running ahead. Between two decode steps the host has work of its own (reading the greedy
 tokens, the engine's bookkeeping, the journal): with one replay at a time the GPU idles
@@ -44,13 +45,12 @@ Anything else drops it. A step run ahead must leave nothing behind when it is dr
 - it is launched only where that position's block is already the lane's (the engine
   reserves it a step early when the pool can spare it: `TorchModel.runs_ahead`).
 The engine writing a lane's state itself (`TorchModel._writing`) drops the step; waiting
-for the engine's work (`TorchModel.synchronize`) does not wait for it. NINFER_AHEAD=0
-turns running ahead off (the benchmark's "before").
+for the engine's work (`TorchModel.synchronize`) does not wait for it. `FLAGS.run_ahead`
+false turns running ahead off (the benchmark's "before").
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +59,7 @@ from torch import Tensor
 from kernels import device_kernels
 from kernels.greedy import KEY_NONE, publish_keys, token_of
 
+from ..flags import FLAGS
 from .gdn import SlotGDNState
 from .hybrid import HybridState
 from .layers import _inv_freq
@@ -156,10 +157,7 @@ class DecodeGraphs:
         self.forward = torch.compile(model.net.forward, dynamic=False) if compile \
             else model.net.forward
         self.ahead: _Ahead | None = None
-        self.run_ahead = os.environ.get("NINFER_AHEAD", "1") != "0"  # the benchmark's "before"
         self.adopted = self.dropped = 0   # steps run ahead, by fate (for tests and benches)
-        # zero-copy staging (NINFER_ZERO_COPY=0: copies): see the module docstring
-        self.zero_copy = os.environ.get("NINFER_ZERO_COPY", "1") != "0"
 
     @staticmethod
     def fits(lanes) -> bool:
@@ -182,7 +180,7 @@ class DecodeGraphs:
             if pending is not None:
                 self.dropped += 1
             step = self._launch(lanes, starts, tokens, None, outputs)
-        if ahead and self.run_ahead:
+        if ahead and FLAGS.run_ahead:
             self._run_ahead(step, lanes, starts, outputs)
         try:
             return step.logits, step.hidden, step.greedy()
@@ -298,7 +296,7 @@ class DecodeGraphs:
         # first word the launch it is for; the last row neutral, read where a row's turn is
         # not the device's: the warm-up's) and reads the keys from, and the device's turn
         ring = keys_ring = turn = None
-        if self.zero_copy:
+        if FLAGS.zero_copy:
             row = torch.cat([torch.tensor([-1]), inputs.cpu()])
             ring = torch.stack([row] * (RING + 1)).pin_memory()
             keys_ring = torch.zeros(RING, 1 + S, dtype=torch.long).pin_memory()

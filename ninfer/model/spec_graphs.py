@@ -1,7 +1,7 @@
 """CUDA graphs of a speculative round's forwards: the verify (T = 2 .. MAX_TOKENS tokens
 per lane, a round's last token and its drafts, the GDN state kept after every position) and
-the MTP head over a few entries of one lane (one: a draft; up to MAX_SPAN: the catch-up of
-a round's committed positions).
+the MTP head over a few entries of one lane (one: a draft; up to `FLAGS.mtp_graph_span`:
+the catch-up of a round's committed positions).
 
 Eager, a verify of 4 positions on anchor-1b is ~800 kernel launches: on the H200 machine
 42 ms of host time for 1.9 ms of GPU work (bench/NOTES.md), 70 plain decode steps, and an
@@ -34,14 +34,12 @@ import torch
 from torch import Tensor
 
 from ..engine.model import MtpOut
+from ..flags import FLAGS
 from .gdn import SlotGDNState
 from .graphs import SIZES, WIDTHS, warm_and_capture
 from .hybrid import ForwardOutput, HybridState
 
 MAX_TOKENS = 8   # longest verify taken by a graph (drafts + 1)
-# longest MTP catch-up taken by a graph (a round's committed positions, + 1); 1: only single
-# entries (the benchmark's "before": the `mtp_span_graphs` row of `ninfer.bench.gpu_engine`)
-MAX_SPAN = 8
 
 
 @dataclass
@@ -129,11 +127,11 @@ class _MtpCaptured:
 
 
 class MtpGraphs:
-    """Replays of the MTP head over T = 1 .. MAX_SPAN consecutive entries of one lane over
-    `model`'s MTP KV: one entry (a draft, `net.mtp_forward`), or the catch-up of a round's
-    committed positions (`TorchModel.mtp_span`'s forward: logits of the last entry only).
-    Eager, a catch-up of the 4 positions of a round whose 3 drafts were all accepted took
-    ~3 ms of host time on the H100, more than the round's verify."""
+    """Replays of the MTP head over T = 1 .. `FLAGS.mtp_graph_span` consecutive entries of
+    one lane over `model`'s MTP KV: one entry (a draft, `net.mtp_forward`), or the catch-up
+    of a round's committed positions (`TorchModel.mtp_span`'s forward: logits of the last
+    entry only). Eager, a catch-up of the 4 positions of a round whose 3 drafts were all
+    accepted took ~3 ms of host time on the H100, more than the round's verify."""
 
     def __init__(self, model, pool) -> None:
         self.model, self.pool = model, pool
@@ -141,7 +139,7 @@ class MtpGraphs:
 
     @staticmethod
     def fits(lane, entries: int = 1) -> bool:
-        return len(lane.mtp_blocks) <= WIDTHS[-1] and 1 <= entries <= MAX_SPAN
+        return len(lane.mtp_blocks) <= WIDTHS[-1] and 1 <= entries <= FLAGS.mtp_graph_span
 
     def run(self, lane, position: int, hidden: Tensor, next_token: int) -> MtpOut:
         """The MTP entry at `position` from the main hidden state there and the token after

@@ -17,6 +17,7 @@ from torch import Tensor
 from kernels import kernels_for
 
 from ..engine.model import Forward, Lane, MissingStatePart, MtpOut, Parts
+from ..flags import FLAGS
 from .attention import ContiguousKV
 from .gdn import GDNState, SlotGDNState, state_dtype
 from .hybrid import HybridModel, HybridState
@@ -193,8 +194,9 @@ class TorchModel:
     @property
     def runs_ahead(self) -> bool:
         """Whether greedy one-token steps may be launched ahead of the engine (decode
-        graphs): the engine then reserves the next position's block a step early."""
-        return self.graphs is not None and self.graphs.run_ahead
+        graphs, `FLAGS.run_ahead`): the engine then reserves the next position's block a step
+        early."""
+        return self.graphs is not None and FLAGS.run_ahead
 
     def _at(self, slot: int) -> int:
         """Where the GDN state of engine slot `slot` is in the pools (it or its twin)."""

@@ -15,8 +15,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..lifecycle import events as ev
-from ..testing.harness import Harness
 from .clock import VirtualClock
+from .harness import Harness
 from .scenario import Scenario
 
 VOCAB = 97          # SimModel's default vocabulary

@@ -26,11 +26,11 @@ from pathlib import Path
 from ..lifecycle.checks import JournalChecker
 from ..lifecycle.eventlog import EventLog
 from ..lifecycle.journal import Journal
-from ..testing.harness import Harness
 from ..tools.journal import Source, check
 from .clients import Clients
 from .clock import VirtualClock
 from .faults import Strike, boot_without_commit, reopen_after_crash, step_without_commit
+from .harness import Harness
 from .scenario import STEP_SECONDS, Scenario, restart_options
 
 DRAIN_STEPS = 5_000   # more than this to run everything to its end is a livelock

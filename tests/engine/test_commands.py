@@ -3,7 +3,7 @@ its state for the next turn), unlike a cancel; neither touches a request that ha
 
 from ninfer.engine.engine import EngineConfig
 from ninfer.lifecycle.checks import JournalChecker
-from ninfer.testing.harness import Harness
+from ninfer.sim.harness import Harness
 
 PROMPT = tuple(range(1, 30))
 

@@ -11,7 +11,7 @@ import pytest
 
 from ninfer.engine.engine import EngineConfig
 from ninfer.lifecycle.checks import JournalChecker
-from ninfer.testing.harness import Harness
+from ninfer.sim.harness import Harness
 
 PROMPT = tuple((i * 17 + 3) % 97 for i in range(1, 45))
 

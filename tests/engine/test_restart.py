@@ -4,7 +4,7 @@ did not survive (or that the new mode cannot use) are lost, and serving goes on.
 from ninfer.engine.engine import EngineConfig
 from ninfer.lifecycle.checks import JournalChecker
 from ninfer.lifecycle.store import ContinuationStore
-from ninfer.testing.harness import Harness
+from ninfer.sim.harness import Harness
 
 PROMPT = tuple((i * 13 + 5) % 97 for i in range(1, 40))
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from ninfer.engine.engine import EngineConfig, Submit
 from ninfer.lifecycle.request import SamplingParams
 from ninfer.model.sim import SimModel
-from ninfer.testing.harness import Harness
+from ninfer.sim.harness import Harness
 
 
 class AheadSim(SimModel):

@@ -3,7 +3,7 @@ the conversation's next request. It must get a valid plan, finish, and say what 
 says; the journal must pass every check."""
 
 from ninfer.engine.engine import EngineConfig
-from ninfer.testing.harness import Harness
+from ninfer.sim.harness import Harness
 
 PROMPT = tuple((i * 31 + 7) % 97 for i in range(1, 60))
 

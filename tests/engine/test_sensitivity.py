@@ -12,9 +12,9 @@ from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from ninfer.engine.runner import ReuseMismatch
+from ninfer.fuzz.stateful import LifecycleMachine
 from ninfer.lifecycle import adoption, salvage
 from ninfer.lifecycle.store import InvariantViolation
-from ninfer.testing.stateful import LifecycleMachine
 
 REAL = salvage.materializable
 REAL_ADOPTION = adoption.refusal

@@ -3,8 +3,8 @@
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
+from ninfer.fuzz.stateful import LifecycleMachine
 from ninfer.model.sim import SimModel
-from ninfer.testing.stateful import LifecycleMachine
 
 LifecycleMachine.TestCase.settings = settings(settings.default, stateful_step_count=40)
 TestLifecycle = LifecycleMachine.TestCase

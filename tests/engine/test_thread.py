@@ -9,7 +9,7 @@ from ninfer.engine.engine import EngineConfig, Submit
 from ninfer.engine.thread import EngineThread
 from ninfer.lifecycle.checks import JournalChecker
 from ninfer.lifecycle.request import SamplingParams
-from ninfer.testing.harness import Harness
+from ninfer.sim.harness import Harness
 
 
 def test_clients_on_many_threads_submit_and_cancel():

@@ -15,6 +15,7 @@ from kernels.gdn_decode import fused_recurrent_gated_delta_rule
 from kernels.gdn_reference import causal_conv1d_update as conv_reference
 from kernels.gdn_reference import recurrent_gated_delta_rule
 from kernels.paged_attention import paged_attention_decode, paged_attention_reference
+from ninfer.flags import override
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -113,7 +114,7 @@ def test_gdn_step_to_destination_slots_leaves_its_inputs():
 
 
 def test_gdn_tile_setting_cuts_calls_that_name_no_tile(monkeypatch):
-    """`kernels.gdn_decode.TILE` (the engine bench's `gdn_tile_b1` row) sets the value tile
+    """The flag `gdn_step_tile` (the engine bench's `gdn_tile_b1` row) sets the value tile
     of a call that gives neither BV nor warps, and the result is the same."""
     from kernels import gdn_decode
     grids = []
@@ -134,9 +135,9 @@ def test_gdn_tile_setting_cuts_calls_that_name_no_tile(monkeypatch):
     idx = torch.tensor([1], device=DEV)
     o_ref, s_ref = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=pool[idx])
     for tile, tiles_along_dv in ((None, 1), ((8, 1), 4)):
-        monkeypatch.setattr(gdn_decode, "TILE", tile)
         state = pool.clone()
-        o = fused_recurrent_gated_delta_rule(q, k, v, g, beta, state, state_indices=idx)
+        with override(gdn_step_tile=tile):
+            o = fused_recurrent_gated_delta_rule(q, k, v, g, beta, state, state_indices=idx)
         assert grids[-1] == (tiles_along_dv, B * Hv)
         torch.testing.assert_close(o, o_ref, **OUT_TOL[torch.float32])
         torch.testing.assert_close(state[idx], s_ref, **STATE_TOL)

@@ -10,6 +10,7 @@ import torch
 
 from kernels import skinny
 from kernels.skinny import Tiles
+from ninfer.flags import override
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # float32: summation order only. bf16: the outputs are rounded to bf16, and a sum that lands
@@ -100,8 +101,7 @@ def test_too_many_rows_is_refused():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic launches need a GPU")
 @pytest.mark.parametrize("tiles", [None, Tiles(8, 64), Tiles(16, 32, split=3)])
-def test_a_graph_of_dependent_launches_matches_the_chain_run_one_call_at_a_time(tiles,
-                                                                              monkeypatch):
+def test_a_graph_of_dependent_launches_matches_the_chain_run_one_call_at_a_time(tiles):
     """Each call reads what the one before wrote, the norm kernel between them included:
     with programmatic dependent launch (kernels.pdl) a kernel that read its input, or wrote
     its output, before waiting for the previous one would turn this red."""
@@ -119,10 +119,9 @@ def test_a_graph_of_dependent_launches_matches_the_chain_run_one_call_at_a_time(
                 fused.rms_norm(skinny.linear(h, w, h, tiles=tiles), nw, 1e-6)
         return h
 
-    monkeypatch.setenv("NINFER_PDL", "0")  # the same kernels, each waiting for the last
-    want = chain().clone()
-    torch.cuda.synchronize()
-    monkeypatch.delenv("NINFER_PDL")
+    with override(pdl=False):  # the same kernels, each waiting for the last
+        want = chain().clone()
+        torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

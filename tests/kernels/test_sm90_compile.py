@@ -1,7 +1,7 @@
 """Every Triton kernel compiles for sm_90 (the H200) on this machine, GPU or not: the
 interpreter that runs the other kernel tests in CI accepts code the compiler rejects, and
 the decode path's kernels compile without spilling to the stack (spills made them slow on
-the H200; `ninfer.testing.sm90`)."""
+the H200; `tests.kernels.sm90`)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+ROOT = Path(__file__).resolve().parents[2]  # where `tests.kernels.sm90` imports from
 # kernels of the batch-1 decode step and its neighbours: registers only, no stack
 NO_SPILL = ("_skinny_kernel", "_gdn_decode_kernel", "_decode_attention_kernel",
             "_paged_attn_merge_kernel", "_decode_start_kernel", "_conv_update_kernel",
@@ -21,11 +23,11 @@ NO_SPILL = ("_skinny_kernel", "_gdn_decode_kernel", "_decode_attention_kernel",
 
 
 def _compiled(args: list[str]) -> subprocess.CompletedProcess:
-    """python args, in a process of its own (`ninfer.testing.sm90` patches the kernel
+    """python args, in a process of its own (`tests.kernels.sm90` patches the kernel
     modules) with compiled kernels, not the interpreter; it must succeed."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
-                         timeout=600)
+                         cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return run
 
@@ -33,7 +35,7 @@ def _compiled(args: list[str]) -> subprocess.CompletedProcess:
 @pytest.mark.skipif(torch.cuda.is_available(),
                     reason="with a GPU the kernel tests compile and run every kernel")
 def test_every_kernel_compiles_for_sm90_and_the_decode_kernels_do_not_spill():
-    run = _compiled(["-m", "ninfer.testing.sm90"])
+    run = _compiled(["-m", "tests.kernels.sm90"])
     rows = dict(line.split(None, 1) for line in run.stdout.splitlines() if line.strip())
     for kernel in ("_state_kernel", "_solve_kernel", "_output_kernel", "_prologue_kernel",
                    "_paged_attn_split_kernel", "_greedy_keys_kernel", "_rope_kernel",
@@ -50,9 +52,9 @@ def test_every_kernel_compiles_for_sm90_and_the_decode_kernels_do_not_spill():
 def test_the_in_projection_loads_its_conv_tails_before_its_pdl_wait():
     """The conv epilogue's reads of the slot pool (the slot, the tail, the weights) are
     issued before the wait, so their dependent round trips overlap the kernel before
-    (`kernels.skinny.EARLY_CONV`): the in-projection with the conv issues more loads there
+    (the flag `early_conv`, `ninfer.flags`): the in-projection with the conv issues more loads there
     than without it. Not where the kernel keeps a fence (`kernels.pdl`)."""
-    run = _compiled(["-c", "import json; from ninfer.testing.sm90 import "
+    run = _compiled(["-c", "import json; from tests.kernels.sm90 import "
                      "in_projection_early_loads as f; print(json.dumps(f()))"])
     counts = json.loads(run.stdout.strip().splitlines()[-1])
     assert counts["plain"] > 0, counts  # the weights: loaded before the wait as ever

@@ -15,7 +15,7 @@ from ninfer.lifecycle import events as ev
 from ninfer.lifecycle.checks import JournalChecker
 from ninfer.lifecycle.journal import Journal, chain
 from ninfer.lifecycle.store import ContinuationStore, InvariantViolation
-from ninfer.testing.harness import Harness
+from ninfer.sim.harness import Harness
 from ninfer.tools.journal import main as journal_main
 
 PROMPT = tuple((i * 11 + 3) % 97 for i in range(1, 50))

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from ninfer.engine.engine import EngineConfig
+from ninfer.flags import override
 from ninfer.model.torch_model import TorchModel
-from ninfer.testing.harness import Harness
+from ninfer.sim.harness import Harness
 
 from .nets import agree_until_tie, attention_chunk_case, reference, tiny_net
 
@@ -19,24 +20,37 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 PROMPT = tuple((i * 7 + 3) % 97 for i in range(29))
 
 
-def _factory(graphs: bool | str):
-    """graphs: True, False, or "zero-copy" (decode graphs staging through the host's ring,
-    `ninfer.model.graphs`)."""
+@pytest.fixture(autouse=True)
+def copies():
+    """The decode graphs these tests capture copy their inputs between replays, unless a test
+    asks for zero-copy staging through the host's ring (`zero_copy`, `ninfer.model.graphs`)."""
+    with override(zero_copy=False):
+        yield
+
+
+@pytest.fixture
+def zero_copy(request):
+    """Zero-copy staging on or off (the test's parameter) for the graphs it captures."""
+    with override(zero_copy=request.param):
+        yield request.param
+
+
+def _factory(graphs: bool):
+    """graphs: CUDA graphs of decode steps and speculative rounds, or none."""
     def make(num_blocks, block_size, num_slots):
         net = copy.deepcopy(tiny_net(torch.float32)).to("cuda")  # the cached one stays put
         model = TorchModel(net, num_blocks=num_blocks, block_size=block_size,
                            num_slots=num_slots, identity="tiny-cuda", device="cuda")
         if not graphs:
             model.graphs = model.verify_graphs = model.mtp_graphs = None
-        else:  # (zero-copy is the default)
-            model.graphs.zero_copy = graphs == "zero-copy"
         return model
     return make
 
 
-@pytest.mark.parametrize("graphs", [True, False, "zero-copy"])
+@pytest.mark.parametrize("graphs, zero_copy", [(True, False), (False, False), (True, True)],
+                         indirect=["zero_copy"])
 @pytest.mark.parametrize("spec", ["none", "mtp"])
-def test_decode_on_cuda_equals_the_reference(spec, graphs):
+def test_decode_on_cuda_equals_the_reference(spec, graphs, zero_copy):
     h = Harness(EngineConfig(spec=spec, prefill_chunk=8, max_concurrency=3, check_reuse=True),
                 model_factory=_factory(graphs))
     ids = [h.submit(PROMPT[i:], f"s{i}", max_tokens=10) for i in range(3)]
@@ -48,8 +62,7 @@ def test_decode_on_cuda_equals_the_reference(spec, graphs):
     if graphs:
         model = h.engine.model
         assert model.graphs.graphs, "no decode step went through a graph"
-        assert all((cap.turn is not None) == (graphs == "zero-copy")
-                   for cap in model.graphs.graphs.values())
+        assert all((cap.turn is not None) == zero_copy for cap in model.graphs.graphs.values())
         if spec == "mtp":
             assert model.verify_graphs.graphs, "no verify went through a graph"
             assert model.mtp_graphs.graphs, "no MTP step went through a graph"
@@ -75,7 +88,7 @@ def test_mtp_with_drafting_paused_runs_plain_steps_ahead():
     assert h.engine.model.graphs.adopted > 10
 
 
-@pytest.mark.parametrize("zero_copy", [False, True])
+@pytest.mark.parametrize("zero_copy", [False, True], indirect=True)
 def test_a_step_run_ahead_is_taken_only_when_asked_for_and_leaves_nothing_when_dropped(
         zero_copy):
     """Two models on the same weights, fed the same tokens one step at a time: one runs
@@ -83,14 +96,13 @@ def test_a_step_run_ahead_is_taken_only_when_asked_for_and_leaves_nothing_when_d
     greedy one the step run ahead is adopted; where it is not (another token, the lanes in
     another order, the engine writing a lane's slot) it is dropped. Logits and every state
     part agree throughout: a dropped step left nothing behind, an adopted one was the step
-    asked for. With zero-copy staging in the first, staging that fails part way launches
-    nothing and leaves the graph's turn the host's (the next step runs), and a replay the
-    host did not launch through DecodeGraphs puts it out of step: the next step raises,
-    touched no lane, and the step after it runs."""
+    asked for. With zero-copy staging (both models), staging in the first that fails part
+    way launches nothing and leaves the graph's turn the host's (the next step runs), and a
+    replay the host did not launch through DecodeGraphs puts it out of step: the next step
+    raises, touched no lane, and the step after it runs."""
     from ninfer.engine.model import Lane
     make = _factory(True)
     fast, plain = make(16, 16, 4), make(16, 16, 4)
-    fast.graphs.zero_copy = zero_copy
     lanes = {m: [Lane(slot=s, attn_blocks=[4 * s + j for j in range(4)]) for s in (1, 2)]
              for m in (fast, plain)}
     for m in (fast, plain):

@@ -10,9 +10,10 @@ import torch
 
 import kernels
 from ninfer.engine.engine import EngineConfig
+from ninfer.flags import override
 from ninfer.model.gdn import SlotGDNState
 from ninfer.model.torch_model import TorchModel
-from ninfer.testing.harness import Harness
+from ninfer.sim.harness import Harness
 
 from .nets import tiny_net
 
@@ -47,37 +48,37 @@ def _conversation(spec: str):
 
 
 @pytest.fixture
-def on_cpu(monkeypatch):
-    monkeypatch.setattr(kernels, "INTERPRET_ON_CPU", True)
-    assert kernels.device_kernels() is not None
+def on_cpu():
+    with override(interpret_on_cpu=True):
+        assert kernels.device_kernels() is not None
+        yield
 
 
 @pytest.mark.parametrize("spec", ["none", "mtp"])
-def test_the_kernel_path_gives_the_torch_paths_tokens(spec, monkeypatch):
+def test_the_kernel_path_gives_the_torch_paths_tokens(spec):
     _, want = _conversation(spec)
-    monkeypatch.setattr(kernels, "INTERPRET_ON_CPU", True)
-    h, got = _conversation(spec)
+    with override(interpret_on_cpu=True):
+        h, got = _conversation(spec)
+        # the lanes' GDN state stayed in the pools: one-token steps updated the slots in place
+        state = h.engine.model._state([0], [[0]])
     assert got == want
-    # the lanes' GDN state stayed in the pools: one-token steps updated the slots in place
-    state = h.engine.model._state([0], [[0]])
     assert all(isinstance(s, SlotGDNState) for s in state.gdn.values())
 
 
 def test_verify_rounds_through_the_skinny_kernels_give_the_torch_paths_tokens(monkeypatch):
-    # `kernels.SKINNY_ROWS` 4 (the GPU bench's `skinny_rows` row): a verify of 3 positions
+    # the flag `skinny_rows` 4 (the GPU bench's `skinny_rows` row): a verify of 3 positions
     # (and a prefill of up to 4) takes the folded path (norms and residuals inside the
     # GEMMs) too
     from kernels import skinny
     _, want = _conversation("mtp")
-    monkeypatch.setattr(kernels, "INTERPRET_ON_CPU", True)
-    monkeypatch.setattr(kernels, "SKINNY_ROWS", 4)
     rows, launch = [], skinny._launch
 
     def counting(x, w, **kw):
         rows.append(x.numel() // x.shape[-1])
         return launch(x, w, **kw)
     monkeypatch.setattr(skinny, "_launch", counting)
-    _, got = _conversation("mtp")
+    with override(interpret_on_cpu=True, skinny_rows=4):
+        _, got = _conversation("mtp")
     assert got == want
     assert 3 in rows  # the verifies of 2 drafts (3 positions) went through them
 
@@ -96,9 +97,9 @@ def test_a_one_token_step_updates_only_its_lanes_slots(on_cpu, slots):
     from ninfer.model.torch_model import PagedKV
     idx = torch.tensor(slots)
     copies = {i: GDNState(before[i][0][idx], before[i][1][idx]) for i in model.conv}
-    kernels.INTERPRET_ON_CPU = False
-    ref = net.forward(ids, pos, HybridState(copies, PagedKV(model.kv_k, model.kv_v, 4, tables)))
-    kernels.INTERPRET_ON_CPU = True
+    with override(interpret_on_cpu=False):
+        ref = net.forward(ids, pos, HybridState(copies, PagedKV(model.kv_k, model.kv_v, 4,
+                                                                tables)))
     got = net.forward(ids, pos, model._state(slots, tables))
     assert torch.allclose(got.logits, ref.logits, atol=1e-4, rtol=1e-4)
     for i in model.conv:
@@ -125,7 +126,7 @@ def test_a_conv_that_cannot_fold_into_the_projection_is_refused(on_cpu):
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
-def test_packed_projections_equal_the_checkpoints_layout(family, monkeypatch):
+def test_packed_projections_equal_the_checkpoints_layout(family):
     """The device path's one GEMM into [q | k | v | z | b | a] gives what the checkpoint's
     projections give, in either family's packing; a weight changed in place is repacked."""
     from ninfer.model.gdn import GatedDeltaNet
@@ -137,17 +138,16 @@ def test_packed_projections_equal_the_checkpoints_layout(family, monkeypatch):
     x = torch.randn(2, 3, layer.in_proj_ba.in_features if family == "qwen3_next"
                     else layer.in_proj_a.in_features)
     want = layer._project(x)
-    monkeypatch.setattr(kernels, "INTERPRET_ON_CPU", True)
-    got = layer._project(x)
+    with override(interpret_on_cpu=True):
+        got = layer._project(x)
     for a, b in zip(got, want, strict=True):
         assert torch.allclose(a, b, atol=1e-5)
     proj = layer.in_proj_ba if family == "qwen3_next" else layer.in_proj_b
     with torch.no_grad():
         proj.weight.mul_(2)
-    monkeypatch.setattr(kernels, "INTERPRET_ON_CPU", False)
     want = layer._project(x)
-    monkeypatch.setattr(kernels, "INTERPRET_ON_CPU", True)
-    assert torch.allclose(layer._project(x)[2], want[2], atol=1e-5)  # repacked
+    with override(interpret_on_cpu=True):
+        assert torch.allclose(layer._project(x)[2], want[2], atol=1e-5)  # repacked
 
 
 @pytest.mark.parametrize("rows", [1, 2])  # one row: the LM head's GEMM folds the keys in
@@ -181,19 +181,19 @@ def test_a_forward_fed_by_decode_start_gives_the_same_logits_and_their_greedy_ke
     assert greedy.token_of(keys).tolist() == got.logits[:, -1].argmax(-1).tolist()
 
 
-def test_a_verify_reads_the_lanes_slots_in_place_as_their_gathered_copy(on_cpu, monkeypatch):
-    # `gdn.VERIFY_IN_PLACE`: the conv and step kernels read the slot pools by index; the
-    # same logits and per-position states as from a gathered copy, and the pools untouched
+def test_a_verify_reads_the_lanes_slots_in_place_as_their_gathered_copy(on_cpu):
+    # the flag `verify_in_place`: the conv and step kernels read the slot pools by index;
+    # the same logits and per-position states as from a gathered copy, and the pools
+    # untouched
     from ninfer.engine.model import Lane
-    from ninfer.model import gdn
     got = {}
     for in_place in (False, True):
-        monkeypatch.setattr(gdn, "VERIFY_IN_PLACE", in_place)
         model = _model_with_random_states(3)
         model.init_slot(Lane(slot=1, attn_blocks=[3]))  # another lane's slot, zeroed
         pools = [t.clone() for d in (model.conv, model.recurrent) for t in d.values()]
         lane = Lane(slot=4, attn_blocks=[0, 1, 2])
-        out = model.forward_batch([(lane, [5, 6, 7], 4)], per_position=True)[0]
+        with override(verify_in_place=in_place):
+            out = model.forward_batch([(lane, [5, 6, 7], 4)], per_position=True)[0]
         states, row, _ = out.states[0]
         got[in_place] = (out.logits, [(states.states[j].conv[row],
                                        states.states[j].recurrent[row]) for j in model.conv])

@@ -8,8 +8,8 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from ninfer.engine.engine import EngineConfig
 from ninfer.engine.runner import Runner
-from ninfer.testing.harness import Harness
-from ninfer.testing.stateful import LifecycleMachine
+from ninfer.fuzz.stateful import LifecycleMachine
+from ninfer.sim.harness import Harness
 
 from .nets import agree_until_tie, reference, torch_factory
 

@@ -7,7 +7,7 @@ from ninfer.lifecycle.checks import JournalChecker
 from ninfer.lifecycle.journal import Journal
 from ninfer.sim.clock import VirtualClock
 from ninfer.sim.faults import reopen_after_crash, step_without_commit
-from ninfer.testing.harness import Harness
+from ninfer.sim.harness import Harness
 
 PROMPT = tuple((i * 11 + 3) % 97 for i in range(1, 30))
 

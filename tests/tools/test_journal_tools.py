@@ -12,7 +12,7 @@ import pytest
 from ninfer.engine.engine import EngineConfig
 from ninfer.lifecycle import events as ev
 from ninfer.lifecycle.journal import Journal
-from ninfer.testing.harness import Harness
+from ninfer.sim.harness import Harness
 from ninfer.tools.journal import main
 
 

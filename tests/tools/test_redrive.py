@@ -12,7 +12,7 @@ import pytest
 from ninfer.engine.engine import EngineConfig
 from ninfer.lifecycle import planner, salvage
 from ninfer.lifecycle.journal import Journal
-from ninfer.testing.harness import Harness
+from ninfer.sim.harness import Harness
 from ninfer.tools.journal import Source
 from ninfer.tools.journal import main as journal_main
 from ninfer.tools.redrive import RedriveError, read_recording, redrive

@@ -1,9 +1,14 @@
 """The lifecycle under Hypothesis: submit, step, cancel at any moment (a cut prefill goes
 on detached when the engine detaches, and a retry may adopt it), exhaust the pools, evict,
-restart, across modes none / mtp / ngram; every invariant after every rule."""
+restart, across modes none / mtp / ngram; every invariant after every engine step.
+
+The machine of `ninfer fuzz stateful` (`run_round`) and of the stateful tests. The one
+module of the package that imports hypothesis: `ninfer.fuzz.command` imports it only when
+the command runs."""
 
 from __future__ import annotations
 
+from hypothesis import HealthCheck, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -13,10 +18,11 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
+    run_state_machine_as_test,
 )
 
 from ..engine.engine import EngineConfig
-from .harness import Harness
+from ..sim.harness import Harness
 
 VOCAB = 97
 tokens = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=24)
@@ -175,3 +181,13 @@ class LifecycleMachine(RuleBasedStateMachine):
         if self.h is not None:
             self.h.run()        # everything submitted ends; no livelock
             self.h.check()
+
+
+def run_round(round_seed: int, max_examples: int, steps: int = 60) -> None:
+    """`max_examples` runs of the machine from Hypothesis's seed `round_seed`, up to `steps`
+    rules each, no example database; raises what the first failing example raised."""
+    machine = type("FuzzedLifecycle", (LifecycleMachine,), {})
+    seed(round_seed)(machine)
+    run_state_machine_as_test(machine, settings=settings(
+        max_examples=max_examples, stateful_step_count=steps, deadline=None, database=None,
+        derandomize=False, suppress_health_check=list(HealthCheck)))

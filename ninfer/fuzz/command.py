@@ -1,5 +1,8 @@
 """`ninfer fuzz stateful`: the Hypothesis state machine with fresh random seeds, for as
-long as asked. CI runs a fixed, derandomized budget; this is the long hunt."""
+long as asked. CI runs a fixed, derandomized budget; this is the long hunt.
+
+hypothesis is imported here only when the command runs (through `.stateful`): where it is
+missing the command says what to install, in one line, and exits 2."""
 
 from __future__ import annotations
 
@@ -8,25 +11,24 @@ import sys
 import time
 import traceback
 
-from hypothesis import HealthCheck, seed, settings
-from hypothesis.stateful import run_state_machine_as_test
 from tqdm import tqdm
 
-from .testing.stateful import LifecycleMachine
-
-
-def run_round(round_seed: int, max_examples: int, steps: int = 60) -> None:
-    machine = type("FuzzedLifecycle", (LifecycleMachine,), {})
-    seed(round_seed)(machine)
-    run_state_machine_as_test(machine, settings=settings(
-        max_examples=max_examples, stateful_step_count=steps, deadline=None, database=None,
-        derandomize=False, suppress_health_check=list(HealthCheck)))
+MISSING_HYPOTHESIS = ("ninfer fuzz stateful: needs hypothesis, which is not installed: "
+                      "pip install 'ninfer[fuzz]'")
 
 
 def run_stateful(*, minutes: float, max_examples: int, seed: int | None) -> int:
-    """Rounds of `max_examples` examples with new seeds until `minutes` pass; 1 on failure."""
+    """Rounds of `max_examples` examples with new seeds until `minutes` pass (one round
+    with `seed` when given): 0, 1 on a failure, 2 without hypothesis."""
+    try:
+        from .stateful import run_round
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.partition(".")[0] != "hypothesis":
+            raise
+        print(MISSING_HYPOTHESIS, file=sys.stderr)
+        return 2
     if seed is not None:
-        return _one(seed, max_examples)
+        return _one(run_round, seed, max_examples)
     deadline = time.monotonic() + minutes * 60
     rng = random.SystemRandom()
     rounds = 0
@@ -37,7 +39,7 @@ def run_stateful(*, minutes: float, max_examples: int, seed: int | None) -> int:
             bar.set_postfix_str(f"{rounds} rounds x {max_examples} examples, now seed "
                                 f"{round_seed}")
             started = time.monotonic()
-            status = _one(round_seed, max_examples, quiet=True)
+            status = _one(run_round, round_seed, max_examples, quiet=True)
             rounds += 1
             bar.update(min(int(time.monotonic() - started), bar.total - bar.n))
             if status:
@@ -46,7 +48,8 @@ def run_stateful(*, minutes: float, max_examples: int, seed: int | None) -> int:
     return 0
 
 
-def _one(round_seed: int, max_examples: int, quiet: bool = False) -> int:
+def _one(run_round, round_seed: int, max_examples: int, quiet: bool = False) -> int:
+    """One round (`run_round(seed, max_examples)`): 0, or 1 with how to reproduce it."""
     try:
         run_round(round_seed, max_examples)
     except Exception as exc:

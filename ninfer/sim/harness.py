@@ -1,6 +1,7 @@
 """A SimModel engine with its journal, watched by every invariant after every event.
 
-Used by the stateful tests, the regression tests and `ninfer fuzz`. Cheap to build: an
+Used by the deterministic simulation (`ninfer fuzz sim`: simulation.py, clients.py), the
+Hypothesis state machine (`ninfer fuzz stateful`) and the tests. Cheap to build: an
 in-memory journal and a small SimModel.
 """
 

@@ -7,7 +7,8 @@ instead of run, with the arguments of a launch like the model's (decode, verify,
 programmatic dependent launch on; the skinny GEMMs' GPU tilings), and ptxas' resource
 usage is read back: registers, and stack (spills), which the H200 made slow before.
 
-    python -m ninfer.testing.sm90     # a table; exit status 1 if a kernel fails to compile
+    python -m tests.kernels.sm90     # a table; exit status 1 if a kernel fails to compile
+                                     # (from the repository's root)
 
 Run without TRITON_INTERPRET (kernels must be compiled functions). The outputs of the
 wrappers are garbage (nothing runs); only what was compiled is reported.
@@ -141,7 +142,7 @@ def _launches() -> None:
         return torch.randn(*shape).to(dtype)
 
     x, nw = r(1, 1, H), r(H)
-    # skinny GEMMs of one row (`kernels.SKINNY_ROWS`), with their prologues and epilogues
+    # skinny GEMMs of one row (the flag `skinny_rows`), with their prologues and epilogues
     skinny.norm_linear(x, nw, 1e-6, r(2 * inter, H), glu=True)
     skinny.linear(r(1, 1, inter), r(H, inter), residual=x)
     skinny.gated_norm_linear(r(1, 1, Hv, D), r(1, 1, Hv, D), r(D), 1e-6, r(H, Hv * D),
@@ -153,7 +154,7 @@ def _launches() -> None:
                        conv=(pool, slots, r(conv_dim, 4)))
     skinny.norm_linear(x, nw, 1e-6, r(V, H), normed=True,
                        argmax=torch.zeros(1, dtype=torch.int64))
-    # and of 4 rows (a verify of 4 positions at SKINNY_ROWS 4: the tensor-core dots, down's
+    # and of 4 rows (a verify of 4 positions at `skinny_rows` 4: the tensor-core dots, down's
     # K split over programs; the GPU bench's `skinny_rows` row)
     x4 = r(1, 4, H)
     skinny.norm_linear(x4, nw, 1e-6, r(2 * inter, H), glu=True)
@@ -233,7 +234,7 @@ def _launches() -> None:
 def compile_all() -> tuple[dict[str, set[str]], list[str]]:
     """{kernel: its resource lines} for every launch `_launches` makes, and the failures.
     The kernel modules stay patched (their kernels compile instead of running): call it in
-    a process of its own, as `python -m ninfer.testing.sm90` does."""
+    a process of its own, as `python -m tests.kernels.sm90` does."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("run without TRITON_INTERPRET: the kernels must be compiled ones")
     seen: dict[str, set[str]] = {}
