@@ -8,7 +8,7 @@ import pytest
 from ninfer.engine.engine import EngineConfig
 from ninfer.lifecycle import adoption
 from ninfer.lifecycle.store import InvariantViolation
-from ninfer.testing.harness import Harness
+from ninfer.sim.harness import Harness
 
 PROMPT = tuple((i * 31 + 7) % 97 for i in range(1, 60))
 OTHER = tuple((i * 17 + 3) % 97 for i in range(1, 40))
