@@ -25,9 +25,9 @@ from ..lifecycle.hashing import block_hashes
 from ..lifecycle.request import Request, SamplingParams
 from ..lifecycle.salvage import Candidate
 from ..lifecycle.store import FOLD_KINDS, ContinuationStore
+from ..model.pools import BlockPool, OutOfMemory, SlotPool
+from ..model.protocol import Lane, MissingStatePart, Model
 from .choice import Choice, GreedyChoice, make_choice
-from .model import Lane, MissingStatePart, Model
-from .pools import BlockPool, OutOfMemory, SlotPool
 from .runner import Held, ReuseMismatch, Runner
 from .speculative import AdaptiveDraft, truncate
 
@@ -698,7 +698,7 @@ def run_until_idle(engine: Engine, max_steps: int = 100_000) -> int:
 
 def make_sim_engine(config: EngineConfig, *, num_blocks: int = 256, block_size: int = 4,
                     num_slots: int = 32, journal=None, seed: int = 0) -> Engine:
-    from ..model.sim import SimModel
+    from ..model.sim_model import SimModel
     model = SimModel(num_blocks=num_blocks, block_size=block_size, num_slots=num_slots, seed=seed)
     engine = Engine(model, config, blocks=BlockPool(num_blocks, block_size),
                     slots=SlotPool(num_slots), journal=journal)

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 from ..lifecycle.facts import CheckpointFacts, Mode
 from ..lifecycle.hashing import block_hashes, prefix_hash
+from ..model.pools import BlockPool, OutOfMemory, SlotPool
+from ..model.protocol import Lane, MissingStatePart, Model, MtpOut
 from .choice import Choice
-from .model import Lane, MissingStatePart, Model, MtpOut
-from .pools import BlockPool, OutOfMemory, SlotPool
 from .speculative import ngram_draft
 
 

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..engine.model import MtpOut
 from .gdn import SlotGDNState
 from .graphs import SIZES, WIDTHS, warm_and_capture
 from .hybrid import ForwardOutput, HybridState
+from .protocol import MtpOut
 
 MAX_TOKENS = 8   # longest verify taken by a graph (drafts + 1)
 # longest MTP catch-up taken by a graph (a round's committed positions, + 1); 1: only single

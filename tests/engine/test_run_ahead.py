@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ninfer.engine.engine import EngineConfig, Submit
 from ninfer.lifecycle.request import SamplingParams
-from ninfer.model.sim import SimModel
+from ninfer.model.sim_model import SimModel
 from ninfer.testing.harness import Harness
 
 

@@ -3,7 +3,7 @@
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from ninfer.model.sim import SimModel
+from ninfer.model.sim_model import SimModel
 from ninfer.testing.stateful import LifecycleMachine
 
 LifecycleMachine.TestCase.settings = settings(settings.default, stateful_step_count=40)

@@ -184,8 +184,8 @@ def test_a_forward_fed_by_decode_start_gives_the_same_logits_and_their_greedy_ke
 def test_a_verify_reads_the_lanes_slots_in_place_as_their_gathered_copy(on_cpu, monkeypatch):
     # `gdn.VERIFY_IN_PLACE`: the conv and step kernels read the slot pools by index; the
     # same logits and per-position states as from a gathered copy, and the pools untouched
-    from ninfer.engine.model import Lane
     from ninfer.model import gdn
+    from ninfer.model.protocol import Lane
     got = {}
     for in_place in (False, True):
         monkeypatch.setattr(gdn, "VERIFY_IN_PLACE", in_place)

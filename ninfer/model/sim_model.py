@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..engine.model import Forward, Lane, MissingStatePart, MtpOut, Parts
+from .protocol import Forward, Lane, MissingStatePart, MtpOut, Parts
 
 MASK = (1 << 61) - 1
 CONV = 4
