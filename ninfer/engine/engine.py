@@ -478,7 +478,7 @@ class Engine:
         if not self._reserve(live, frontier + k + 1, mtp_upto):
             return
         if self._plain_next(live, k) and room > 1 and isinstance(live.choice, GreedyChoice) \
-                and getattr(self.runner.model, "runs_ahead", False):
+                and self.runner.model.runs_ahead:
             try:  # the next position's block too, for the step the model runs ahead
                 self.runner.reserve(lane, frontier + 2)
             except OutOfMemory:

@@ -395,7 +395,7 @@ class Redrive:
                                     "fields": changed,
                                     "recorded": {k: then[k] for k in changed},
                                     "redriven": {k: now[k] for k in changed}})
-        model = getattr(self.engine.model, "identity", "?")
+        model = self.engine.model.identity
         return Outcome(len(self.rec.requests), differences, self.violations, self.stalls,
                        model, (self.tally[0], self.tally[1]), self.journal.last_seq)
 
