@@ -11,8 +11,8 @@ import torch
 import kernels
 from kernels import pdl, skinny
 from kernels.skinny import Tiles
-from ninfer.engine.model import Lane
 from ninfer.flags import FLAGS, Flags, override
+from ninfer.model.protocol import Lane
 from ninfer.model.spec_graphs import MtpGraphs
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,10 +18,10 @@ import torch
 from tqdm import tqdm
 
 from ..engine.engine import Engine, EngineConfig, Submit, run_until_idle
-from ..engine.pools import BlockPool, SlotPool
 from ..engine.runner import Runner
 from ..engine.speculative import AdaptiveDraft
 from ..lifecycle.request import SamplingParams
+from ..model.pools import BlockPool, SlotPool
 from ..model.runtime import open_model
 
 TARGETS = {"turn2_ratio_16k": ("<=", 0.013), "turn2_ratio_4k": ("<=", 0.038),

@@ -85,7 +85,7 @@ def model_steps(bench) -> dict:
     """The model alone: a one-token step of 1 and 8 lanes (graph replay + argmax), a
     verify of 4 positions keeping every state and an MTP head step, against a plain
     step."""
-    from ..engine.model import Lane
+    from ..model.protocol import Lane
     m = bench.om.model
     out = {}
     for B in (1, 8):

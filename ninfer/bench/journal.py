@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 from ..engine.engine import Engine, EngineConfig
-from ..engine.pools import BlockPool, SlotPool
 from ..lifecycle.journal import Journal
-from ..model.sim import SimModel
+from ..model.pools import BlockPool, SlotPool
+from ..model.sim_model import SimModel
 from ..tools.journal import Source, check, replay_summary
 from .lifecycle import SESSIONS, build_journal
 from .report import report

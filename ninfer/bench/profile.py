@@ -80,8 +80,8 @@ SEQUENCE = 40
 
 
 def decode() -> dict:
-    from ..engine.model import Lane
     from ..model.graphs import DecodeGraphs
+    from ..model.protocol import Lane
     from .skinny import _events_us, anchor_model
     m = anchor_model()
     out: dict = {}

@@ -201,8 +201,8 @@ def tuned_tiles(sweep: dict) -> dict:
 
 
 def bench_model(tuned: dict) -> dict:
-    from ..engine.model import Lane
     from ..model.graphs import DecodeGraphs
+    from ..model.protocol import Lane
     m = anchor_model()
     out: dict = {}
     logits: dict = {}

@@ -31,7 +31,7 @@ from safetensors.torch import save as st_save
 
 from ..lifecycle.facts import CheckpointFacts
 from ..lifecycle.hashing import block_hashes, prefix_hash
-from .model import Model
+from ..model.protocol import Model
 from .runner import Held, Runner
 
 FORMAT = "ninfer-checkpoint-v1"

@@ -26,13 +26,13 @@ from ..lifecycle.facts import EndpointFacts, Mode
 from ..lifecycle.planner import Plan
 from ..lifecycle.request import Request
 from ..lifecycle.store import ContinuationStore
+from ..model.pools import BlockPool, OutOfMemory, SlotPool
+from ..model.protocol import MissingStatePart, Model
 from .choice import Choice, make_choice
 from .commands import Cancel, EngineConfig, Stop, Submit, problem
 from .exits import Exits
 from .integrity import check_conservation
 from .live import Live
-from .model import MissingStatePart, Model
-from .pools import BlockPool, OutOfMemory, SlotPool
 from .prefill import Prefill
 from .recovery import recover, rotate
 from .rounds import Rounds
@@ -396,7 +396,7 @@ def run_until_idle(engine: Engine, max_steps: int = 100_000) -> int:
 
 def make_sim_engine(config: EngineConfig, *, num_blocks: int = 256, block_size: int = 4,
                     num_slots: int = 32, journal=None, seed: int = 0) -> Engine:
-    from ..model.sim import SimModel
+    from ..model.sim_model import SimModel
     model = SimModel(num_blocks=num_blocks, block_size=block_size, num_slots=num_slots, seed=seed)
     engine = Engine(model, config, blocks=BlockPool(num_blocks, block_size),
                     slots=SlotPool(num_slots), journal=journal)

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from ..lifecycle.store import ContinuationStore
+from ..model.pools import BlockPool, SlotPool
 from .live import Live
-from .pools import BlockPool, SlotPool
 from .runner import Held
 
 

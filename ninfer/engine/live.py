@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..lifecycle.request import Request
+from ..model.protocol import Lane
 from .choice import Choice
-from .model import Lane
 from .runner import Held
 from .speculative import AdaptiveDraft
 

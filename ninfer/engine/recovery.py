@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from ..lifecycle import events as ev
 from ..lifecycle import machine, salvage
 from ..lifecycle.store import FOLD_KINDS
-from .pools import OutOfMemory
+from ..model.pools import OutOfMemory
 
 if TYPE_CHECKING:
     from .engine import Engine

@@ -16,10 +16,10 @@ from typing import Any, NamedTuple
 from ..lifecycle import events as ev
 from ..lifecycle.facts import Mode
 from ..lifecycle.request import Request
+from ..model.pools import OutOfMemory
+from ..model.protocol import MissingStatePart
 from .choice import GreedyChoice
 from .live import Live, Reserve, stop_reason
-from .model import MissingStatePart
-from .pools import OutOfMemory
 from .runner import Runner
 from .speculative import truncate
 
@@ -69,7 +69,7 @@ class Rounds:
         if not self.reserve(live, frontier + k + 1, mtp_upto):
             return False
         if self.plain_next(live, k) and room > 1 and isinstance(live.choice, GreedyChoice) \
-                and getattr(runner.model, "runs_ahead", False):
+                and runner.model.runs_ahead:
             try:  # the next position's block too, for the step the model runs ahead
                 runner.reserve(lane, frontier + 2)
             except OutOfMemory:

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 from ..lifecycle.facts import CheckpointFacts, Mode
 from ..lifecycle.hashing import block_hashes, prefix_hash
+from ..model.pools import BlockPool, OutOfMemory, SlotPool
+from ..model.protocol import Lane, MissingStatePart, Model, MtpOut
 from .choice import Choice
-from .model import Lane, MissingStatePart, Model, MtpOut
-from .pools import BlockPool, OutOfMemory, SlotPool
 from .speculative import ngram_draft
 
 
@@ -255,16 +255,13 @@ class Runner:
 
     def forward_many(self, items: list[tuple[Lane, list[int], int]], ahead: bool = False,
                      logits: bool = True) -> list:
-        """Verify forwards for several lanes, batched when the model can. `ahead`: each
-        lane that goes on will be fed its greedy token next (the model may start on that
-        step before this returns). `logits` false: no lane reads the logits (greedy
-        choices, no log-probabilities), so the model may leave them out, and the hidden
-        states too unless the MTP head reads them."""
-        batch = getattr(self.model, "forward_batch", None)
-        if batch is not None:
-            outs = batch(items, per_position=True, ahead=ahead, outputs=logits or self.mtp)
-        else:
-            outs = [self.model.forward(lane, tokens, start) for lane, tokens, start in items]
+        """Verify forwards for several lanes, in one batched call. `ahead`: each lane
+        that goes on will be fed its greedy token next (the model may start on that step
+        before this returns). `logits` false: no lane reads the logits (greedy choices, no
+        log-probabilities), so the model may leave them out, and the hidden states too
+        unless the MTP head reads them."""
+        outs = self.model.forward_batch(items, per_position=True, ahead=ahead,
+                                        outputs=logits or self.mtp)
         for lane, _, _ in items:
             lane.fence = self.model.fence()
         return outs

@@ -25,7 +25,7 @@ from typing import NamedTuple
 from ..lifecycle import adoption
 from ..lifecycle.request import Request
 from ..lifecycle.store import ContinuationStore
-from .pools import BlockPool, SlotPool
+from ..model.pools import BlockPool, SlotPool
 
 
 class Evict(NamedTuple):

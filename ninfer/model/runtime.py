@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from ..engine.pools import BlockPool, SlotPool
 from .hybrid import HybridModel, load_weights
 from .loader import LoadedFiles, load_files
+from .pools import BlockPool, SlotPool
 from .template import ChatTemplate
 from .tokenizer import Tokenizer
 from .torch_model import TorchModel

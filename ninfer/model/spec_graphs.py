@@ -33,11 +33,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..engine.model import MtpOut
 from ..flags import FLAGS
 from .gdn import SlotGDNState
 from .graphs import SIZES, WIDTHS, warm_and_capture
 from .hybrid import ForwardOutput, HybridState
+from .protocol import MtpOut
 
 MAX_TOKENS = 8   # longest verify taken by a graph (drafts + 1)
 

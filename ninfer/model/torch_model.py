@@ -1,4 +1,4 @@
-"""TorchModel: the Model protocol (ninfer.engine.model) over the torch HybridModel.
+"""TorchModel: the Model protocol (ninfer.model.protocol) over the torch HybridModel.
 
 The engine owns the bookkeeping (block tables, slots); this owns the storage they index:
 attention KV in blocks of `block_size` positions per attention layer ([num_blocks,
@@ -16,11 +16,11 @@ from torch import Tensor
 
 from kernels import kernels_for
 
-from ..engine.model import Forward, Lane, MissingStatePart, MtpOut, Parts
 from ..flags import FLAGS
 from .attention import ContiguousKV
 from .gdn import GDNState, SlotGDNState, state_dtype
 from .hybrid import HybridModel, HybridState
+from .protocol import Forward, Lane, MissingStatePart, MtpOut, Parts
 
 VERIFY_STATES_UP_TO = 32   # longest forward whose per-position GDN states are kept
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 2e-2}

@@ -171,7 +171,7 @@ def load(args: argparse.Namespace) -> Loaded:
     om = open_model(args.model, dtype=dtype, device=args.device,
                     kv_capacity=args.kv_capacity, num_slots=args.state_slots,
                     mtp=args.spec == "mtp")
-    if args.spec != "none" and getattr(om.model, "graphs", None) is not None:
+    if args.spec != "none" and om.model.graphs is not None:
         log.warning("--spec %s on %s: verifies and drafts replay CUDA graphs, but a verify "
                     "of 4 positions costs ~2.6 plain steps and only rounds without drafts "
                     "run ahead, so it decodes slower than plain there, even with every draft "

@@ -10,13 +10,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..engine.engine import Engine, EngineConfig, Submit, run_until_idle
-from ..engine.pools import BlockPool, SlotPool
 from ..lifecycle import salvage
 from ..lifecycle.checks import JournalChecker
 from ..lifecycle.journal import Journal, chain
 from ..lifecycle.request import SamplingParams
 from ..lifecycle.store import ContinuationStore
-from ..model.sim import SimModel
+from ..model.pools import BlockPool, SlotPool
+from ..model.sim_model import SimModel
 
 # The spec's predicate, bound at import: the oracle stays true when a test weakens the
 # server's predicate (salvage.materializable) to prove the machine notices.

@@ -28,13 +28,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..engine.engine import Engine, EngineConfig, Submit
-from ..engine.pools import BlockPool, SlotPool
 from ..engine.speculative import accept_greedy
 from ..lifecycle import events as ev
 from ..lifecycle.checks import JournalChecker
 from ..lifecycle.journal import Journal
 from ..lifecycle.request import SamplingParams
 from ..lifecycle.store import InvariantViolation
+from ..model.pools import BlockPool, SlotPool
 
 ENDED = (4, 0)
 STATE_RANK = {"Queued": 0, "Prefilling": 1, "Active": 2, "Finishable": 3}
@@ -395,13 +395,13 @@ class Redrive:
                                     "fields": changed,
                                     "recorded": {k: then[k] for k in changed},
                                     "redriven": {k: now[k] for k in changed}})
-        model = getattr(self.engine.model, "identity", "?")
+        model = self.engine.model.identity
         return Outcome(len(self.rec.requests), differences, self.violations, self.stalls,
                        model, (self.tally[0], self.tally[1]), self.journal.last_seq)
 
 
 def _sim_factory(num_blocks: int, block_size: int, num_slots: int):
-    from ..model.sim import SimModel
+    from ..model.sim_model import SimModel
     return SimModel(num_blocks=num_blocks, block_size=block_size, num_slots=num_slots,
                     vocab_size=SIM_VOCAB)
 

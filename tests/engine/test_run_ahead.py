@@ -6,12 +6,16 @@ from __future__ import annotations
 
 from ninfer.engine.engine import EngineConfig, Submit
 from ninfer.lifecycle.request import SamplingParams
-from ninfer.model.sim import SimModel
+from ninfer.model.protocol import Lane
+from ninfer.model.sim_model import SimModel
 from ninfer.sim.harness import Harness
 
 
 class AheadSim(SimModel):
-    runs_ahead = True
+    """SimModel running greedy steps ahead of the engine, as the decode graphs do."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(runs_ahead=True, **kw)
 
 
 def _decode_until(h: Harness, rid: str, frontier: int) -> object:
@@ -50,8 +54,9 @@ def test_a_pool_with_no_block_to_spare_still_decodes_every_token():
 
 
 class OutputsSim(AheadSim):
-    """Records, per batched forward, whether the engine asked for logits and hidden states,
-    and whether it let the model run the next step ahead."""
+    """Records, per verify forward (the runner's batched ones; a prefill chunk goes through
+    `forward_batch` too, not per position), whether the engine asked for logits and hidden
+    states, and whether it let the model run the next step ahead."""
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
@@ -59,11 +64,11 @@ class OutputsSim(AheadSim):
         self.aheads: list[tuple[int, bool]] = []  # (lanes, ahead) per decode forward
 
     def forward_batch(self, items, per_position=True, ahead=False, outputs=True):
-        if items:
+        if items and per_position:
             self.asked.append(outputs)
             if all(len(tokens) == 1 for _, tokens, _ in items):
                 self.aheads.append((len(items), ahead))
-        return [self.forward(lane, tokens, start) for lane, tokens, start in items]
+        return super().forward_batch(items, per_position, ahead, outputs)
 
 
 def test_no_step_runs_ahead_of_a_lanes_last_token():
@@ -114,7 +119,7 @@ class RoundsSim(AheadSim):
     def forward_batch(self, items, per_position=True, ahead=False, outputs=True):
         if items and per_position:
             self.rounds.append((len(items[0][1]), ahead))
-        return [self.forward(lane, tokens, start) for lane, tokens, start in items]
+        return super().forward_batch(items, per_position, ahead, outputs)
 
     def mtp(self, lane, position, hidden, next_token):
         out = super().mtp(lane, position, hidden, next_token)
@@ -140,3 +145,55 @@ def test_with_drafting_paused_a_plain_round_runs_the_next_ahead():
         assert rounds[i][0] == 1 and i + 1 < len(rounds) and rounds[i + 1][0] == 1, rounds
     probes = [i for i, (fed, _) in enumerate(rounds) if fed > 1 and i > 0]
     assert probes and all(not rounds[i - 1][1] for i in probes)
+
+
+def test_steps_run_ahead_are_adopted_and_decode_a_plain_runs_tokens():
+    # one greedy lane, 12 tokens: the prompt makes the first, then 11 decode steps; each but
+    # the last (a lane's last token) runs the next ahead, and the next step adopts it
+    h = _harness(True, 96)
+    rid = h.submit(tuple(range(1, 8)), "s", max_tokens=12)
+    h.run()
+    h.check()  # the tokens of a plain Root run (the harness's oracle)
+    model = h.engine.runner.model
+    assert len(h.outputs(rid)) == 12
+    assert (model.adopted, model.dropped) == (10, 0)
+
+
+def test_a_simmodel_step_run_ahead_is_adopted_only_when_asked_for_and_leaves_nothing():
+    """Two lanes decoded by a SimModel that runs ahead and by one that does not: mostly
+    greedy steps (adopted), every fifth step tokens of our own (dropped), a slot written
+    by the engine between two steps (dropped: the step ran from the state before), and
+    positions past the lanes' last block (not run). Every step's outputs and the parts
+    left in storage are the same in both."""
+    fast, plain = (SimModel(num_blocks=16, block_size=4, num_slots=4, runs_ahead=ahead)
+                   for ahead in (True, False))
+    lanes = {m: [Lane(slot=i, attn_blocks=list(range(8 * i, 8 * i + 8))) for i in (0, 1)]
+             for m in (fast, plain)}
+    tokens = {}
+    for m in (fast, plain):
+        m.init_slot(Lane(slot=2))
+        for lane, prompt in zip(lanes[m], ([3, 1, 4, 1, 5], [9, 2, 6, 5, 3]), strict=True):
+            m.init_slot(lane)
+            out = m.forward(lane, prompt, 0)
+            m.accept(lane, out.states[-1])
+            tokens[m] = tokens.get(m, []) + [out.greedy[-1]]
+    for step, pos in enumerate(range(5, 32)):  # 32 positions a lane: the last has no next
+        if step == 7:  # the engine writes a lane's slot: a step run ahead from it is stale
+            for m in (fast, plain):
+                m.copy_slot(2, lanes[m][1].slot)
+        outs = {}
+        for m in (fast, plain):
+            fed = tokens[m] if step % 5 != 4 else [7, 8]
+            outs[m] = m.forward_batch([(lane, [t], pos) for lane, t in zip(lanes[m], fed,
+                                                                           strict=True)],
+                                      ahead=m is fast)
+            for lane, out in zip(lanes[m], outs[m], strict=True):
+                m.accept(lane, out.states[-1])
+            tokens[m] = [out.greedy[-1] for out in outs[m]]
+        assert outs[fast] == outs[plain], step
+    for a, b in zip(lanes[fast], lanes[plain], strict=True):
+        assert fast.read_parts(a, 32, 0) == plain.read_parts(b, 32, 0)
+    # 27 steps, each but the last ran the next ahead; the 5 after tokens of our own and the
+    # one after the slot was written dropped theirs
+    assert (fast.adopted, fast.dropped) == (20, 6)
+    assert (plain.adopted, plain.dropped) == (0, 0)

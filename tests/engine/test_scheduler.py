@@ -5,12 +5,12 @@ import sys
 
 import pytest
 
-from ninfer.engine.pools import BlockPool, SlotPool
 from ninfer.engine.scheduler import Evict, Fail, Preempt, Scheduler
 from ninfer.lifecycle import events as ev
 from ninfer.lifecycle.eventlog import EventLog
 from ninfer.lifecycle.request import Request, SamplingParams
 from ninfer.lifecycle.store import ContinuationStore
+from ninfer.model.pools import BlockPool, SlotPool
 
 from ..lifecycle.factories import MTP, Feed, endpoint
 

@@ -100,7 +100,7 @@ def test_a_step_run_ahead_is_taken_only_when_asked_for_and_leaves_nothing_when_d
     way launches nothing and leaves the graph's turn the host's (the next step runs), and a
     replay the host did not launch through DecodeGraphs puts it out of step: the next step
     raises, touched no lane, and the step after it runs."""
-    from ninfer.engine.model import Lane
+    from ninfer.model.protocol import Lane
     make = _factory(True)
     fast, plain = make(16, 16, 4), make(16, 16, 4)
     lanes = {m: [Lane(slot=s, attn_blocks=[4 * s + j for j in range(4)]) for s in (1, 2)]
@@ -168,7 +168,7 @@ def test_verify_and_mtp_graphs_compute_the_eager_forwards():
     storage: the same greedy tokens, logits, hidden states, per-position GDN states and KV
     written (and nothing else written: the KV is put back between the two). What a replay
     hands out is a copy: it stays put when the graph replays again."""
-    from ninfer.engine.model import Lane
+    from ninfer.model.protocol import Lane
     m = _factory(True)(32, 4, 4)
     lanes = [Lane(slot=s, attn_blocks=[8 * s + j for j in range(8)],
                   mtp_blocks=[24 + 2 * s, 25 + 2 * s]) for s in range(3)]
@@ -256,7 +256,7 @@ def test_a_step_without_outputs_copies_none_and_its_step_ahead_serves_only_its_l
     hidden states; the step it runs ahead, also without them, is dropped by a caller that
     wants them (and the step launched again gives the plain model's logits), and adopted by
     one that does not. A step run ahead with them serves either."""
-    from ninfer.engine.model import Lane
+    from ninfer.model.protocol import Lane
     make = _factory(True)
     fast, plain = make(16, 16, 4), make(16, 16, 4)
     lane = {m: Lane(slot=1, attn_blocks=[4, 5, 6, 7]) for m in (fast, plain)}

@@ -185,7 +185,7 @@ def test_a_verify_reads_the_lanes_slots_in_place_as_their_gathered_copy(on_cpu):
     # the flag `verify_in_place`: the conv and step kernels read the slot pools by index;
     # the same logits and per-position states as from a gathered copy, and the pools
     # untouched
-    from ninfer.engine.model import Lane
+    from ninfer.model.protocol import Lane
     got = {}
     for in_place in (False, True):
         model = _model_with_random_states(3)

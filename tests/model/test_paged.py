@@ -38,7 +38,7 @@ def test_a_forward_takes_the_kv_length_from_the_host():
     the logits they give when the length comes from the positions."""
     from unittest import mock
 
-    from ninfer.engine.model import Lane
+    from ninfer.model.protocol import Lane
 
     from .nets import torch_factory
     plain_init = PagedKV.__init__
@@ -72,7 +72,7 @@ def test_a_prefill_makes_only_its_last_positions_logits():
     """A prefill (`forward` without per_position) runs the LM head on its last position
     alone: its logits are the full forward's last row, its greedy tokens None but the last;
     a verify-style forward (per position) still makes every position's."""
-    from ninfer.engine.model import Lane
+    from ninfer.model.protocol import Lane
 
     from .nets import torch_factory
     model = torch_factory(16, 4, 4)

@@ -6,13 +6,20 @@ a stale or missing part changes what the model computes or raises `MissingStateP
 The parts: recurrent state r (a chained hash, the "GDN matrix") and the conv tail (the
 last K-1 tokens); attention KV kv(i) = H(r after i); hidden(i) = (r, S_i, conv) with S_i
 the sum of kv over [0, i] read from storage; the MTP KV entry at i = H(hidden(i), t_{i+1}).
+
+Built with `runs_ahead=True` it runs greedy one-token steps ahead of the engine as the
+decode graphs do (the protocol's terms): the step is computed when it is promised, its KV
+written at the next position of the lane's own blocks, and handed over only if the next
+forward asks for exactly it. A promise the engine broke would hand over a stale step, and
+the tokens would differ from `reference_generate`'s.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
-from ..engine.model import Forward, Lane, MissingStatePart, MtpOut, Parts
+from .protocol import Forward, ForwardItem, Lane, MissingStatePart, MtpOut, Parts
 
 MASK = (1 << 61) - 1
 CONV = 4
@@ -35,14 +42,46 @@ def _hash_hidden(h: tuple) -> int:
     return acc
 
 
+class _AheadLane(NamedTuple):
+    """One lane of a step run ahead: what it assumed, and what it made."""
+
+    lane: Lane
+    slot: int
+    token: int            # the greedy token of the step before, fed at `start`
+    start: int
+    blocks: list[int]     # the lane's blocks up to the one holding `start`
+    state: tuple          # the state it started from: the step before's last
+    out: Forward
+
+
+class _Ahead(NamedTuple):
+    lanes: list[_AheadLane]
+    outputs: bool         # made with hidden states (serves any caller), or without
+
+    def asked_for(self, items: Sequence[ForwardItem], outputs: bool, slots: list) -> bool:
+        """The protocol's terms: the same lanes in the same order and slots, each fed its
+        greedy token at the next position over the same blocks, and each slot holding
+        the state the step started from (the engine accepted the step before, and wrote
+        nothing since)."""
+        return len(items) == len(self.lanes) and (self.outputs or not outputs) and all(
+            lane is a.lane and lane.slot == a.slot and list(tokens) == [a.token]
+            and start == a.start and lane.attn_blocks[:len(a.blocks)] == a.blocks
+            and slots[lane.slot] == a.state
+            for (lane, tokens, start), a in zip(items, self.lanes, strict=True))
+
+
 class SimModel:
     dtypes = "sim-int64"
 
     def __init__(self, *, num_blocks: int, block_size: int, num_slots: int,
-                 vocab_size: int = 97, seed: int = 0, draft_quality: int = 4) -> None:
+                 vocab_size: int = 97, seed: int = 0, draft_quality: int = 4,
+                 runs_ahead: bool = False) -> None:
         self.identity = f"sim-v1-seed{seed}-vocab{vocab_size}"
         self.vocab_size, self.block_size, self.seed = vocab_size, block_size, seed
         self.draft_quality = draft_quality  # 1 in draft_quality MTP drafts is wrong
+        self.runs_ahead = runs_ahead
+        self._ahead: _Ahead | None = None
+        self.adopted = self.dropped = 0   # steps run ahead, by fate (for tests)
         # storage: never cleared on free, like device memory
         self.kv: list[list] = [[None] * block_size for _ in range(num_blocks)]
         self.slots: list = [None] * num_slots          # recurrent state + conv tail
@@ -86,9 +125,32 @@ class SimModel:
 
     # --- the protocol ----------------------------------------------------------------------
 
-    def forward(self, lane: Lane, tokens: Sequence[int], start: int) -> Forward:
-        self._launched += 1
-        state = self._slot(lane)
+    def forward(self, lane: Lane, tokens: Sequence[int], start: int,
+                per_position: bool = False) -> Forward:
+        return self.forward_batch([(lane, tokens, start)], per_position)[0]
+
+    def forward_batch(self, items: Sequence[ForwardItem], per_position: bool = True,
+                      ahead: bool = False, outputs: bool = True) -> list[Forward]:
+        """Each lane in turn (exact arithmetic gains nothing from a batch); a step run
+        ahead is handed over if this call asks for exactly it, dropped otherwise. What the
+        protocol lets the caller leave out is left out: a prefill's greedy tokens but the
+        last, and the hidden states without `outputs` (SimModel has no logits)."""
+        self._launched += len(items)
+        pending, self._ahead = self._ahead, None
+        if pending is not None and pending.asked_for(items, outputs, self.slots):
+            self.adopted += 1
+            outs = [a.out for a in pending.lanes]
+        else:
+            if pending is not None:
+                self.dropped += 1
+            outs = [self._feed_lane(lane, tokens, start, self._slot(lane), per_position,
+                                    outputs) for lane, tokens, start in items]
+        if ahead and self.runs_ahead:
+            self._run_ahead(items, outs, outputs)
+        return outs
+
+    def _feed_lane(self, lane: Lane, tokens: Sequence[int], start: int, state: tuple,
+                   per_position: bool, outputs: bool) -> Forward:
         s = 0
         for pos in range(start):
             s = (s + self._read(lane.attn_blocks, pos, "attention KV")) & MASK
@@ -101,7 +163,26 @@ class SimModel:
             greedy.append(self._greedy(h))
             hidden.append(h)
             states.append(state)
-        return Forward(greedy, hidden, states)
+        if not per_position:
+            greedy[:-1] = [None] * (len(greedy) - 1)
+        return Forward(greedy, hidden if outputs else [None] * len(hidden), states)
+
+    def _run_ahead(self, items: Sequence[ForwardItem], outs: list[Forward],
+                   outputs: bool) -> None:
+        """The next one-token step of every lane, fed its greedy token: only where each
+        lane fed one token and already has the block of its next position."""
+        if not items or any(len(tokens) != 1
+                            or (start + 1) // self.block_size >= len(lane.attn_blocks)
+                            for lane, tokens, start in items):
+            return
+        lanes = []
+        for (lane, _, start), out in zip(items, outs, strict=True):
+            token, state = out.greedy[-1], out.states[-1]
+            step = self._feed_lane(lane, [token], start + 1, state, True, outputs)
+            lanes.append(_AheadLane(lane, lane.slot, token, start + 1,
+                                    lane.attn_blocks[:(start + 1) // self.block_size + 1],
+                                    state, step))
+        self._ahead = _Ahead(lanes, outputs)
 
     def accept(self, lane: Lane, state, hidden=None) -> None:
         self.slots[lane.slot] = state
