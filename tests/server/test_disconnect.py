@@ -14,6 +14,8 @@ import time
 
 import httpx
 
+from .test_metrics import scrape
+
 CHAT = "/v1/chat/completions"
 
 
@@ -207,23 +209,15 @@ def test_many_clients_disconnecting_at_random(live):
         assert time.monotonic() < deadline
         time.sleep(0.02)
     live.integrity()
-    gauges = metrics(live)
-    assert gauges["ninfer_kv_blocks_used"] == gauges["ninfer_kv_blocks_held_by_endpoints"]
-    assert gauges["ninfer_state_slots_used"] == gauges["ninfer_state_slots_held_by_endpoints"]
+    gauges = scrape(live)
+    assert gauges("ninfer_kv_blocks_used") == gauges("ninfer_kv_blocks_held_by_endpoints")
+    assert gauges("ninfer_state_slots_used") == gauges("ninfer_state_slots_held_by_endpoints")
     assert httpx.post(live.url + "/admin/evict").status_code == 200
-    gauges = metrics(live)
-    assert gauges["ninfer_kv_blocks_used"] == 0 and gauges["ninfer_state_slots_used"] == 0
-    assert gauges['ninfer_http_responses_total{status="499"}'] >= 1
-    assert not [k for k in gauges if k.startswith('ninfer_http_responses_total{status="5')]
-
-
-def metrics(live) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(live.url + "/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    gauges = scrape(live)
+    assert gauges("ninfer_kv_blocks_used") == 0 and gauges("ninfer_state_slots_used") == 0
+    assert gauges("ninfer_http_responses_total", status="499") >= 1
+    assert not [labels for (name, labels) in gauges.values
+                if name == "ninfer_http_responses_total" and dict(labels)["status"][0] == "5"]
 
 
 def test_log_lines(live, caplog):
