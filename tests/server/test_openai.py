@@ -126,37 +126,6 @@ def test_session_from_body_and_derived(live, client):
     assert live.started(three.id.split("-", 1)[1])["plan"] in ("SharedPrefix", "Root")
 
 
-class ScriptedText:
-    """A detokenizer stub: whatever ids arrive, the text is the script, one piece per call."""
-
-    def __init__(self, pieces):
-        self.pieces = list(pieces)
-
-    def push(self, ids):
-        return self.pieces.pop(0) if self.pieces else ""
-
-    def finish(self):  # whatever the model's token count, the whole script is written
-        rest, self.pieces[:] = "".join(self.pieces), []
-        return rest
-
-
-@pytest.fixture
-def scripted(live, monkeypatch):
-    """Make the next generations 'write' a given text (the model is random)."""
-    tokenizer = live.server.tokenizer
-    script: list[str] = []
-
-    class Stub:
-        def __getattr__(self, name):
-            return getattr(tokenizer, name)
-
-        def stream(self, **kw):
-            return ScriptedText(script)
-
-    monkeypatch.setattr(live.server, "tokenizer", Stub())
-    return script
-
-
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
