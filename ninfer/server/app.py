@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
@@ -26,7 +26,7 @@ from . import errors, sessions
 from .errors import ApiError, bad_request
 from .generation import Generation, Settings
 from .history import History
-from .metrics import Metrics, engine_snapshot
+from .metrics import CONTENT_TYPE, EngineFigures, Metrics, engine_snapshot
 from .parsing import THINK_CLOSE, THINK_OPEN, OutputParser
 from .schemas import ChatRequest, CompletionRequest, SamplingFields
 from .streaming import GenerationResponse, Shape
@@ -292,13 +292,12 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        snapshot: dict = {}
+        snapshot: EngineFigures | None = None
         if server.alive:
             with contextlib.suppress(RuntimeError, TimeoutError):
                 snapshot = await asyncio.wait_for(
                     asyncio.wrap_future(server.thread.call(engine_snapshot)), 30)
-        return PlainTextResponse(server.metrics.render(snapshot),
-                                 media_type="text/plain; version=0.0.4")
+        return Response(server.metrics.exposition(snapshot), media_type=CONTENT_TYPE)
 
     @app.post("/admin/evict")
     async def evict_all(request: Request):

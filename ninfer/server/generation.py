@@ -14,6 +14,7 @@ from ..engine.engine import Submit
 from ..lifecycle import events as ev
 from ..lifecycle.request import SamplingParams
 from . import logs
+from .bodies import PromptTokensDetails, Timings, Usage
 from .errors import ApiError
 from .parsing import Delta, OutputParser, StopScanner
 
@@ -244,25 +245,25 @@ class Generation:
                                                                          "cancelled")
         return "failed"
 
-    def usage(self) -> dict:
+    def usage(self) -> Usage:
         prompt = len(self.prompt)
-        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
-                "total_tokens": prompt + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.reuse_base}}
+        return Usage(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
+                     total_tokens=prompt + self.completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=self.reuse_base))
 
-    def timings(self) -> dict:
+    def timings(self) -> Timings:
         prompt_n = len(self.prompt) - self.reuse_base
         prompt_ms = 1000 * ((self.first_at or 0) - (self.started_at or 0)) if self.first_at else 0.0
         predicted_ms = 1000 * ((self.last_at or 0) - (self.first_at or 0))
         n = self.completion_tokens
-        return {"cache_n": self.reuse_base, "prompt_n": prompt_n,
-                "prompt_ms": round(prompt_ms, 3),
-                "prompt_per_token_ms": round(prompt_ms / prompt_n, 4) if prompt_n else 0.0,
-                "prompt_per_second": round(1000 * prompt_n / prompt_ms, 2) if prompt_ms else 0.0,
-                "predicted_n": n, "predicted_ms": round(predicted_ms, 3),
-                "predicted_per_token_ms": round(predicted_ms / n, 4) if n else 0.0,
-                "predicted_per_second": (round(1000 * (n - 1) / predicted_ms, 2)
-                                         if predicted_ms and n > 1 else 0.0)}
+        return Timings(
+            cache_n=self.reuse_base, prompt_n=prompt_n, prompt_ms=round(prompt_ms, 3),
+            prompt_per_token_ms=round(prompt_ms / prompt_n, 4) if prompt_n else 0.0,
+            prompt_per_second=round(1000 * prompt_n / prompt_ms, 2) if prompt_ms else 0.0,
+            predicted_n=n, predicted_ms=round(predicted_ms, 3),
+            predicted_per_token_ms=round(predicted_ms / n, 4) if n else 0.0,
+            predicted_per_second=(round(1000 * (n - 1) / predicted_ms, 2)
+                                  if predicted_ms and n > 1 else 0.0))
 
     def failure(self) -> ApiError:
         """The error for a request that ended without an answer."""

@@ -1,7 +1,8 @@
-"""OpenAI request and response models (pydantic v2). Requests are validated strictly where a
-wrong value would silently change behaviour (types, ranges, finiteness) and leniently where
-clients differ harmlessly (unknown fields are ignored). A known field asking for what this
-server does not do (JSON-constrained output, a logit bias) is refused, not ignored."""
+"""OpenAI request models (pydantic v2; the response bodies are in `bodies`). Requests are
+validated strictly where a wrong value would silently change behaviour (types, ranges,
+finiteness) and leniently where clients differ harmlessly (unknown fields are ignored). A
+known field asking for what this server does not do (JSON-constrained output, a logit bias)
+is refused, not ignored."""
 
 from __future__ import annotations
 
@@ -246,30 +247,3 @@ class CompletionRequest(SamplingFields):
     def top_n(self) -> int | None:
         return self.logprobs
 
-
-# --- responses ------------------------------------------------------------------------------
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-
-class Timings(BaseModel):
-    """llama.cpp's `timings`: cache_n + prompt_n = prompt tokens."""
-
-    cache_n: int
-    prompt_n: int
-    prompt_ms: float
-    prompt_per_token_ms: float
-    prompt_per_second: float
-    predicted_n: int
-    predicted_ms: float
-    predicted_per_token_ms: float
-    predicted_per_second: float

@@ -16,6 +16,28 @@ import time
 
 from starlette.responses import Response
 
+from .bodies import (
+    AssistantMessage,
+    Body,
+    CalledFunction,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatLogprobs,
+    ChunkChoice,
+    ChunkDelta,
+    DeltaToolCall,
+    FinishReason,
+    MessageToolCall,
+    TextChoice,
+    TextCompletion,
+    TextLogprobs,
+    Timings,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    wire,
+)
 from .errors import ApiError
 from .generation import Generation
 from .parsing import Delta
@@ -24,13 +46,18 @@ log = logging.getLogger("ninfer.server")
 _DRAINING: set[asyncio.Task] = set()
 
 
-def sse(data: dict | str) -> bytes:
-    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+def sse(data: Body | dict | str) -> bytes:
+    """One server-sent event: a body, an error object or `[DONE]`."""
+    if isinstance(data, Body):
+        text = wire(data)
+    else:
+        text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
     return f"data: {text}\n\n".encode()
 
 
 class Shape:
-    """How deltas look on the wire for one route (chat or text completions)."""
+    """How deltas look on the wire for one route (chat or text completions): the bodies of
+    `bodies`, built from a generation's deltas and figures."""
 
     def __init__(self, gen: Generation, model: str, chat: bool, include_usage: bool,
                  top_n: int | None = None) -> None:
@@ -41,103 +68,112 @@ class Shape:
         self.created = int(time.time())
         self.calls = 0
 
-    def _chunk(self, choices: list[dict], **extra) -> dict:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices, **extra}
+    def _chunk(self, choices: list, usage: Usage | None = None,
+               timings: Timings | None = None) -> ChatCompletionChunk | TextCompletion:
+        kind = ChatCompletionChunk if self.chat else TextCompletion
+        return kind(id=self.id, created=self.created, model=self.model, choices=choices,
+                    usage=usage, timings=timings)
 
     def _text(self, token: int) -> tuple[str, list[int]]:
         raw = self.gen.server.tokenizer.token_bytes(token)
         return raw.decode("utf-8", errors="replace"), list(raw)
 
-    def logprobs(self, entries: list[dict]) -> dict | None:
-        """OpenAI's logprobs object for committed tokens (chat or text completion shape)."""
+    def chat_logprobs(self, entries: list[dict]) -> ChatLogprobs | None:
+        """Chat's logprobs object for committed tokens; None when not asked for."""
         if self.top_n is None:
             return None
-        if self.chat:
-            content = []
-            for e in entries:
-                text, raw = self._text(e["token"])
-                top = []
-                for token, lp in e["top"][:self.top_n]:
-                    t, b = self._text(token)
-                    top.append({"token": t, "logprob": lp, "bytes": b})
-                content.append({"token": text, "logprob": e["logprob"], "bytes": raw,
-                                "top_logprobs": top})
-            return {"content": content}
+        content = []
+        for e in entries:
+            text, raw = self._text(e["token"])
+            top = []
+            for token, lp in e["top"][:self.top_n]:
+                t, b = self._text(token)
+                top.append(TopLogprob(token=t, logprob=lp, bytes=b))
+            content.append(TokenLogprob(token=text, logprob=e["logprob"], bytes=raw,
+                                        top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+    def text_logprobs(self, entries: list[dict]) -> TextLogprobs | None:
+        """The text completion's logprobs object for committed tokens; None when not asked
+        for."""
+        if self.top_n is None:
+            return None
         tokens = [self._text(e["token"])[0] for e in entries]
         offsets, at = [], 0
         for t in tokens:
             offsets.append(at)
             at += len(t)
-        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [{self._text(t)[0]: lp for t, lp in e["top"][:self.top_n]}
-                                 for e in entries], "text_offset": offsets}
+        return TextLogprobs(
+            tokens=tokens, token_logprobs=[e["logprob"] for e in entries],
+            top_logprobs=[{self._text(t)[0]: lp for t, lp in e["top"][:self.top_n]}
+                          for e in entries], text_offset=offsets)
 
-    def _unsent_logprobs(self) -> dict | None:
+    def _unsent(self) -> list[dict]:
+        """The log-probability entries a stream has not sent yet (marked sent)."""
         gen = self.gen
         entries = gen.logprobs[gen.logprobs_sent:]
         gen.logprobs_sent = len(gen.logprobs)
-        return self.logprobs(entries)
+        return entries
 
-    def role_chunk(self) -> dict | None:
+    def _streamed(self, *, text: str = "", delta: ChunkDelta | None = None,
+                  finish: FinishReason | None = None) -> ChatCompletionChunk | TextCompletion:
+        """A chunk of one choice, `delta` (chat) or `text` (text completion), with the
+        log-probabilities not sent yet."""
+        entries = self._unsent()
+        if self.chat:
+            choice = ChunkChoice(index=0, delta=delta or ChunkDelta(),
+                                 logprobs=self.chat_logprobs(entries), finish_reason=finish)
+        else:
+            choice = TextChoice(index=0, text=text, logprobs=self.text_logprobs(entries),
+                                finish_reason=finish)
+        return self._chunk([choice])
+
+    def role_chunk(self) -> ChatCompletionChunk | None:
         if not self.chat:
             return None
-        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                             "logprobs": None, "finish_reason": None}])
+        return self._chunk([ChunkChoice(index=0, delta=ChunkDelta(role="assistant", content=""),
+                                        logprobs=None, finish_reason=None)])
 
-    def delta_chunk(self, d: Delta) -> dict:
+    def delta_chunk(self, d: Delta) -> ChatCompletionChunk | TextCompletion:
         if not self.chat:
-            return self._chunk([{"index": 0, "text": d.text, "logprobs": self._unsent_logprobs(),
-                                 "finish_reason": None}])
+            return self._streamed(text=d.text)
         if d.kind == "tool_call":
             call = d.call
-            delta = {"tool_calls": [{"index": self.calls, "id": call.id, "type": "function",
-                                     "function": {"name": call.name,
-                                                  "arguments": call.arguments}}]}
+            delta = ChunkDelta(tool_calls=[DeltaToolCall(
+                index=self.calls, id=call.id,
+                function=CalledFunction(name=call.name, arguments=call.arguments))])
             self.calls += 1
         elif d.kind == "reasoning":
-            delta = {"reasoning_content": d.text}
+            delta = ChunkDelta(reasoning_content=d.text)
         else:
-            delta = {"content": d.text}
-        return self._chunk([{"index": 0, "delta": delta, "logprobs": self._unsent_logprobs(),
-                             "finish_reason": None}])
+            delta = ChunkDelta(content=d.text)
+        return self._streamed(delta=delta)
 
-    def finish_chunk(self) -> dict:
-        reason = self.gen.finish_reason
-        if not self.chat:
-            return self._chunk([{"index": 0, "text": "", "logprobs": self._unsent_logprobs(),
-                                 "finish_reason": reason}])
-        return self._chunk([{"index": 0, "delta": {}, "logprobs": self._unsent_logprobs(),
-                             "finish_reason": reason}])
+    def finish_chunk(self) -> ChatCompletionChunk | TextCompletion:
+        return self._streamed(finish=self.gen.finish_reason)
 
-    def usage_chunk(self) -> dict:
+    def usage_chunk(self) -> ChatCompletionChunk | TextCompletion:
         return self._chunk([], usage=self.gen.usage(), timings=self.gen.timings())
 
-    def body(self, deltas: list[Delta]) -> dict:
+    def body(self, deltas: list[Delta]) -> ChatCompletion | TextCompletion:
         gen = self.gen
         if not self.chat:
             text = "".join(d.text for d in deltas)
-            choice = {"index": 0, "text": text, "logprobs": self.logprobs(gen.logprobs),
-                      "finish_reason": gen.finish_reason}
-            return {"id": self.id, "object": "text_completion", "created": self.created,
-                    "model": self.model, "choices": [choice], "usage": gen.usage(),
-                    "timings": gen.timings()}
+            choice = TextChoice(index=0, text=text, logprobs=self.text_logprobs(gen.logprobs),
+                                finish_reason=gen.finish_reason)
+            return TextCompletion(id=self.id, created=self.created, model=self.model,
+                                  choices=[choice], usage=gen.usage(), timings=gen.timings())
         content = "".join(d.text for d in deltas if d.kind == "content")
         reasoning = "".join(d.text for d in deltas if d.kind == "reasoning")
-        calls = [{"id": d.call.id, "type": "function",
-                  "function": {"name": d.call.name, "arguments": d.call.arguments}}
+        calls = [MessageToolCall(id=d.call.id, function=CalledFunction(
+                     name=d.call.name, arguments=d.call.arguments))
                  for d in deltas if d.kind == "tool_call"]
-        message: dict = {"role": "assistant", "content": content or (None if calls else "")}
-        if reasoning:
-            message["reasoning_content"] = reasoning
-        if calls:
-            message["tool_calls"] = calls
-        choice = {"index": 0, "message": message, "logprobs": self.logprobs(gen.logprobs),
-                  "finish_reason": gen.finish_reason}
-        return {"id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.model, "choices": [choice], "usage": gen.usage(),
-                "timings": gen.timings(), "system_fingerprint": None}
+        message = AssistantMessage(content=content or (None if calls else ""),
+                                   reasoning_content=reasoning or None, tool_calls=calls or None)
+        choice = ChatChoice(index=0, message=message, logprobs=self.chat_logprobs(gen.logprobs),
+                            finish_reason=gen.finish_reason)
+        return ChatCompletion(id=self.id, created=self.created, model=self.model,
+                              choices=[choice], usage=gen.usage(), timings=gen.timings())
 
 
 class GenerationResponse(Response):
@@ -238,7 +274,7 @@ class GenerationResponse(Response):
         if not gen.succeeded:
             await self._send_error(send, gen.failure())
             return
-        body = json.dumps(self.shape.body(deltas), ensure_ascii=False).encode()
+        body = wire(self.shape.body(deltas)).encode()
         await self._start(send, 200, "application/json",
                           [(b"content-length", str(len(body)).encode())])
         await send({"type": "http.response.body", "body": body})

@@ -1,7 +1,7 @@
 """A real ninfer server (uvicorn on loopback, a free port) for the session, built by the same
 `build(args)` as `ninfer serve`: model loading and warm-up in the background, /health 503
 until ready. Tests change options through `configured(...)` and read the journal through
-their own read-only SQLite connection."""
+their own read-only SQLite connection; `scripted` makes the random model 'write' a text."""
 
 from __future__ import annotations
 
@@ -120,3 +120,34 @@ def live(tmp_path_factory) -> Running:
     thread.join(10)
     sock.close()
     torch.set_num_threads(threads)
+
+
+class ScriptedText:
+    """A detokenizer stub: whatever ids arrive, the text is the script, one piece per call."""
+
+    def __init__(self, pieces):
+        self.pieces = list(pieces)
+
+    def push(self, ids):
+        return self.pieces.pop(0) if self.pieces else ""
+
+    def finish(self):  # whatever the model's token count, the whole script is written
+        rest, self.pieces[:] = "".join(self.pieces), []
+        return rest
+
+
+@pytest.fixture
+def scripted(live, monkeypatch):
+    """Make the next generations 'write' a given text (the model is random)."""
+    tokenizer = live.server.tokenizer
+    script: list[str] = []
+
+    class Stub:
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def stream(self, **kw):
+            return ScriptedText(script)
+
+    monkeypatch.setattr(live.server, "tokenizer", Stub())
+    return script

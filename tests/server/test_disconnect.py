@@ -14,6 +14,8 @@ import time
 
 import httpx
 
+from .test_metrics import scrape
+
 CHAT = "/v1/chat/completions"
 
 
@@ -78,8 +80,18 @@ def next_turn(live, body: dict, headers: dict) -> dict:
     return {"cached": started["reuse_base"], "plan": started["plan"]}
 
 
-def steps_of_last_cancel(live) -> int:
-    return live.server.thread.cancel_latencies[-1][1]
+def cancels_recorded(live) -> int:
+    return len(live.server.thread.cancel_latencies)
+
+
+def steps_of_cancel(live, index: int) -> int:
+    """Engine steps of the cancel recorded `index`-th; the engine thread records it just
+    after the journal's RequestCancelled, which the test may read first, so wait for it."""
+    deadline = time.monotonic() + 5
+    while cancels_recorded(live) <= index:
+        assert time.monotonic() < deadline, "the cancel was not recorded"
+        time.sleep(0.005)
+    return live.server.thread.cancel_latencies[index][1]
 
 
 def request_ids(live, session: str) -> list[str]:
@@ -105,9 +117,10 @@ def test_seed_reproduction_cut_mid_prefill_then_same_messages(live):
         while sum(k == "PrefillAdvanced" for k, _, _ in live.events(rid)) < 3:
             assert time.monotonic() < deadline
             time.sleep(0.005)
+        recorded = cancels_recorded(live)
         client.cut()
         latency = cancelled(live, rid, "Prefilling", client.closed_at)
-    assert steps_of_last_cancel(live) <= 1
+    assert steps_of_cancel(live, recorded) <= 1
     assert latency < 0.5
     after = next_turn(live, body, headers)
     assert after["cached"] > 0 and after["plan"] in ("PrivateEndpoint", "PrivateAnchor")
@@ -121,9 +134,10 @@ def test_cut_while_decoding_under_speculation_and_after_last_token(live):
         client = RawClient(live.url, body, headers)
         client.read_until(b"data: ", count=4)
         rid = client.request_id
+        recorded = cancels_recorded(live)
         client.cut()
         latency = cancelled(live, rid, "Active", client.closed_at)
-    assert steps_of_last_cancel(live) <= 1 and latency < 0.5
+    assert steps_of_cancel(live, recorded) <= 1 and latency < 0.5
     after = next_turn(live, body, headers)
     assert after["cached"] > 0
 
@@ -195,23 +209,15 @@ def test_many_clients_disconnecting_at_random(live):
         assert time.monotonic() < deadline
         time.sleep(0.02)
     live.integrity()
-    gauges = metrics(live)
-    assert gauges["ninfer_kv_blocks_used"] == gauges["ninfer_kv_blocks_held_by_endpoints"]
-    assert gauges["ninfer_state_slots_used"] == gauges["ninfer_state_slots_held_by_endpoints"]
+    gauges = scrape(live)
+    assert gauges("ninfer_kv_blocks_used") == gauges("ninfer_kv_blocks_held_by_endpoints")
+    assert gauges("ninfer_state_slots_used") == gauges("ninfer_state_slots_held_by_endpoints")
     assert httpx.post(live.url + "/admin/evict").status_code == 200
-    gauges = metrics(live)
-    assert gauges["ninfer_kv_blocks_used"] == 0 and gauges["ninfer_state_slots_used"] == 0
-    assert gauges['ninfer_http_responses_total{status="499"}'] >= 1
-    assert not [k for k in gauges if k.startswith('ninfer_http_responses_total{status="5')]
-
-
-def metrics(live) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(live.url + "/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    gauges = scrape(live)
+    assert gauges("ninfer_kv_blocks_used") == 0 and gauges("ninfer_state_slots_used") == 0
+    assert gauges("ninfer_http_responses_total", status="499") >= 1
+    assert not [labels for (name, labels) in gauges.values
+                if name == "ninfer_http_responses_total" and dict(labels)["status"][0] == "5"]
 
 
 def test_log_lines(live, caplog):
