@@ -17,8 +17,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..lifecycle import conversation, machine, planner, salvage
 from ..lifecycle import events as ev
-from ..lifecycle import machine, planner, salvage
 from ..lifecycle.eventlog import EventLog
 from ..lifecycle.facts import EndpointFacts, Mode
 from ..lifecycle.hashing import block_hashes
@@ -47,11 +47,16 @@ class EngineConfig:
     spec: str = "none"               # none | mtp | ngram
     draft_tokens: int = 3
     max_endpoints: int = 16
+    endpoints_per_session: int = 4   # private endpoints (branches) one session key holds
     max_context: int = 4096
     auto_anchors: int = 2            # anchors at up to N of the last message boundaries
     journal_tokens: bool = True      # journal token ids, not only block hashes
     check_reuse: bool = False        # compare every restore with a recomputation (tests)
     keep_finished: bool = True       # keep ended requests in `requests` (tests inspect them)
+
+    def __post_init__(self) -> None:
+        if self.endpoints_per_session < 1:  # 0 is what older journals record: "one, replaced"
+            raise ValueError("endpoints_per_session must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -159,11 +164,14 @@ class Engine:
         self.log.emit(ev.ServerStarted, mode=self.mode,
                       max_concurrency=self.config.max_concurrency,
                       max_endpoints=self.config.max_endpoints,
+                      endpoints_per_session=self.config.endpoints_per_session,
                       options={"prefill_chunk": self.config.prefill_chunk,
                                "draft_tokens": self.config.draft_tokens,
                                "block_size": self.blocks.block_size,
                                "auto_anchors": self.config.auto_anchors,
                                "max_context": self.config.max_context})
+        for tenant, session in self.store.sessions():  # a restart may have lowered the bound
+            self._evict_within_session(tenant, session)
         self._reconcile()
         self._commit()
 
@@ -599,6 +607,23 @@ class Engine:
         live.captures.clear()
         self.runner.release_lane(live.lane)
         request.salvage = None
+        self._evict_within_session(request.tenant, request.session)
+
+    def _evict_within_session(self, tenant: str, session: str | None) -> None:
+        """Keep one session key's private endpoints distinct branches within its bound
+        (lifecycle/conversation.py): evict, as events, those a later one extends
+        (`superseded`), then the least recently used past the bound (`session_bound`)."""
+        if session is None:
+            return
+
+        def extends(newer: EndpointFacts, older: EndpointFacts) -> bool:
+            a, b = self.held[newer.checkpoint.id].tokens, self.held[older.checkpoint.id].tokens
+            return a[:len(b)] == b
+
+        for victim in conversation.evictions(self.store.private(tenant, session),
+                                             self.store.endpoints_per_session, extends):
+            self.log.emit(ev.EndpointEvicted, conversation=session, endpoint=victim.endpoint,
+                          reason=victim.reason)
 
     def _cancel(self, request: Request) -> None:
         live = self.live.get(request.id)
