@@ -15,12 +15,17 @@ class EngineConfig:
     spec: str = "none"               # none | mtp | ngram
     draft_tokens: int = 3
     max_endpoints: int = 16
+    endpoints_per_session: int = 4   # private endpoints (branches) one session key holds
     max_context: int = 4096
     auto_anchors: int = 2            # anchors at up to N of the last message boundaries
     journal_tokens: bool = True      # journal token ids, not only block hashes
     check_reuse: bool = False        # compare every restore with a recomputation (tests)
     keep_finished: bool = True       # keep ended requests in `requests` (tests inspect them)
     detach_prefills: bool = False    # a cut fresh prefill goes on, detached, for its retry
+
+    def __post_init__(self) -> None:
+        if self.endpoints_per_session < 1:  # 0 is what older journals record: "one, replaced"
+            raise ValueError("endpoints_per_session must be at least 1")
 
 
 @dataclass(frozen=True)

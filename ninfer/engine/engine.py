@@ -70,7 +70,7 @@ class Engine:
             checkpoint_id=self._next_cp, facts=self._facts)
         self.rounds = Rounds(self.runner, self.mode, max_context=config.max_context,
                              reserve=self._reserve)
-        self.exits = Exits(self.runner, self.mode, self.scheduler, live=self.live,
+        self.exits = Exits(self.runner, self.mode, self.scheduler, self.log, live=self.live,
                            held=self.held, files=endpoint_files, checkpoint_id=self._next_cp,
                            facts=self._facts)
         self.commands: queue.SimpleQueue = queue.SimpleQueue()

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..lifecycle import machine, salvage
-from ..lifecycle.facts import CheckpointFacts, Mode
+from ..lifecycle import conversation, machine, salvage
+from ..lifecycle import events as ev
+from ..lifecycle.eventlog import EventLog
+from ..lifecycle.facts import CheckpointFacts, EndpointFacts, Mode
 from ..lifecycle.request import Request
 from ..lifecycle.salvage import Candidate
 from .live import Live
@@ -21,13 +23,13 @@ from .scheduler import Scheduler
 
 
 class Exits:
-    def __init__(self, runner: Runner, mode: Mode, scheduler: Scheduler, *,
+    def __init__(self, runner: Runner, mode: Mode, scheduler: Scheduler, log: EventLog, *,
                  live: dict[str, Live], held: dict[str, Held], files,
                  checkpoint_id: Callable[[Request], str],
                  facts: Callable[[Held], CheckpointFacts]) -> None:
         """`live` and `held` are the engine's own maps (lanes by request id, published
         checkpoints by id); `files` writes published checkpoints durably (None: don't)."""
-        self.runner, self.mode, self.scheduler = runner, mode, scheduler
+        self.runner, self.mode, self.scheduler, self.log = runner, mode, scheduler, log
         self.live, self.held, self.files = live, held, files
         self.checkpoint_id, self.facts = checkpoint_id, facts
 
@@ -63,6 +65,24 @@ class Exits:
                 self.runner.release_held(held)
         live.captures.clear()
         self.runner.release_lane(live.lane)
+        self.evict_within_session(request.tenant, request.session)
+
+    def evict_within_session(self, tenant: str, session: str | None) -> None:
+        """Keep one session key's private endpoints distinct branches within its bound
+        (lifecycle/conversation.py): evict, as events, those a later one extends
+        (`superseded`), then the least recently used past the bound (`session_bound`)."""
+        if session is None:
+            return
+
+        def extends(newer: EndpointFacts, older: EndpointFacts) -> bool:
+            a, b = self.held[newer.checkpoint.id].tokens, self.held[older.checkpoint.id].tokens
+            return a[:len(b)] == b
+
+        store = self.scheduler.store
+        for victim in conversation.evictions(store.private(tenant, session),
+                                             store.endpoints_per_session, extends):
+            self.log.emit(ev.EndpointEvicted, conversation=session, endpoint=victim.endpoint,
+                          reason=victim.reason)
 
     def cancel(self, request: Request) -> None:
         live = self.live.get(request.id)

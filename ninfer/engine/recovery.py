@@ -36,11 +36,14 @@ def recover(engine: Engine) -> None:
     engine.log.emit(ev.ServerStarted, mode=engine.mode,
                     max_concurrency=config.max_concurrency,
                     max_endpoints=config.max_endpoints,
+                    endpoints_per_session=config.endpoints_per_session,
                     options={"prefill_chunk": config.prefill_chunk,
                              "draft_tokens": config.draft_tokens,
                              "block_size": engine.blocks.block_size,
                              "auto_anchors": config.auto_anchors,
                              "max_context": config.max_context})
+    for tenant, session in engine.store.sessions():  # a restart may have lowered the bound
+        engine.exits.evict_within_session(tenant, session)
 
 
 def _open_requests(engine: Engine) -> dict[str, str | None]:

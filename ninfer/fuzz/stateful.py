@@ -47,8 +47,8 @@ class LifecycleMachine(RuleBasedStateMachine):
                 draft=st.integers(1, 4), detach=st.booleans())
     def boot(self, spec, chunk, lanes, blocks, draft, detach):
         config = EngineConfig(max_concurrency=lanes, prefill_chunk=chunk, spec=spec,
-                              draft_tokens=draft, max_endpoints=8, check_reuse=True,
-                              detach_prefills=detach)
+                              draft_tokens=draft, max_endpoints=8, endpoints_per_session=2,
+                              check_reuse=True, detach_prefills=detach)
         self.h = Harness(config, num_blocks=blocks, num_slots=3 * lanes + 10,
                          oracle=self.oracle, model_factory=type(self).model_factory)
 

@@ -12,7 +12,8 @@ in two processes over the same file:
   finish's cached tokens, no internal failure. It reads few fields of few kinds, and reads
   them by attribute, so it takes an event or a `PayloadView` of its JSON alike.
 - `StoreChecks`, the server as a whole: seqs gap-free, the store's fold (publication,
-  eviction, restarts, snapshots), plans that name held endpoints of their own tenant, lanes
+  eviction, restarts, snapshots), a session key's evictions made by its rule
+  (lifecycle/conversation.py), plans that name held endpoints of their own tenant, lanes
   within max_concurrency, no live request across a restart.
 
 `JournalChecker.feed` runs them in the order a single checker would: the gap first, then the
@@ -26,6 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from . import events as ev
+from .conversation import SESSION_BOUND, SUPERSEDED, least_recently_used, may_extend
 from .store import FOLD_KINDS, ContinuationStore, InvariantViolation
 
 LIVE_STATES = ("Prefilling", "Active", "Finishable")
@@ -133,7 +135,7 @@ class RequestChecks:
     def commit(r: _Req, seq: int, request: str, frontier: int, n: int) -> None:
         """A TokensCommitted of `n` tokens: some, and forward, never for a cut prefill."""
         if r.state == "Detached":
-            raise InvariantViolation(11, seq, "tokens committed by a detached prefill", request)
+            raise InvariantViolation(12, seq, "tokens committed by a detached prefill", request)
         if not n or frontier < r.frontier:
             raise InvariantViolation(9, seq, f"frontier went from {r.frontier} to {frontier}",
                                      request)
@@ -201,7 +203,8 @@ class _Held:
 
 
 class StoreChecks:
-    """Invariants of the server as a whole (1, 2, 4, 5, 7, 8 in part), over the store's fold."""
+    """Invariants of the server as a whole (1, 2, 4, 5, 7, 8, 11 in part), over the store's
+    fold."""
 
     def __init__(self, contiguous: bool = True) -> None:
         """`contiguous` False: fed only some events (journal check's store pass, beside a
@@ -299,6 +302,30 @@ class StoreChecks:
         if e.reuse_base != a.adopted_at:
             raise _violation(2, e, f"reuse_base {e.reuse_base} is not the adopted cursor "
                              f"{a.adopted_at}")
+    def _evicted(self, e: ev.EndpointEvicted) -> None:
+        """A conversation's eviction (lifecycle/conversation.py) is one its rule makes: a
+        superseded endpoint is extended by a later one of its key (as far as the facts
+        tell), a bound's victim is the least recently used of a key over its bound."""
+        stored = self.store.endpoints.get(e.endpoint)
+        if e.reason not in (SUPERSEDED, SESSION_BOUND) or stored is None:
+            return  # an unknown endpoint is the fold's violation
+        f = stored.facts
+        if f.kind != "private":
+            raise _violation(11, e, f"{e.reason} eviction of {f.kind} endpoint {f.id}")
+        points = self.store.private(f.tenant, f.session or "")
+        if e.reason == SUPERSEDED:
+            if not any(p.published_seq > stored.published_seq and may_extend(p.facts, f)
+                       for p in points):
+                raise _violation(11, e, f"endpoint {f.id} evicted as superseded, but no later "
+                                 "endpoint of its session key extends it")
+            return
+        bound = self.store.endpoints_per_session
+        if len(points) <= bound:
+            raise _violation(11, e, f"endpoint {f.id} evicted past the bound, but its session "
+                             f"key holds {len(points)} of {bound}")
+        if least_recently_used(stored) != min(map(least_recently_used, points)):
+            raise _violation(11, e, f"endpoint {f.id} evicted past the bound, but it is not "
+                             "its session key's least recently used")
 
     def _server_started(self, e: ev.ServerStarted) -> None:
         if self.live:
@@ -318,6 +345,7 @@ _STORE_HANDLERS = {  # before the fold, which touches the endpoint
     ev.RequestQueued: StoreChecks.queued,
     ev.RequestStarted: StoreChecks._started,
     ev.PrefillAdopted: StoreChecks._adopted,
+    ev.EndpointEvicted: StoreChecks._evicted,
 }
 _AFTER_FOLD = {
     ev.ServerStarted: StoreChecks._server_started,

@@ -211,6 +211,8 @@ class ServerStarted(Event):
     mode: Mode
     max_concurrency: int
     max_endpoints: int
+    # private endpoints a session key may hold (0: a journal from before a key held several)
+    endpoints_per_session: int = 0
     options: dict[str, Any] = field(default_factory=dict)
 
 

@@ -35,16 +35,20 @@ class StoredEndpoint:
 
 
 class ContinuationStore:
-    """Private endpoints per (tenant, session): the latest point plus anchors at message
-    boundaries; shared stable prefixes per tenant. Keyed by tenant throughout, so one
-    tenant's entries are never visible to another."""
+    """Private endpoints per (tenant, session): the latest point of each of the
+    conversation's branches (lifecycle/conversation.py) plus anchors at message boundaries;
+    shared stable prefixes per tenant. Keyed by tenant throughout, so one tenant's entries
+    are never visible to another."""
 
     def __init__(self) -> None:
         self.mode: Mode | None = None
         self.max_endpoints = 0
+        # private endpoints a session key may hold; 0 in a journal written before a key
+        # held several: there a new private endpoint replaces the key's one (`_index`)
+        self.endpoints_per_session = 0
         self.applied_seq = 0
         self.endpoints: dict[str, StoredEndpoint] = {}
-        self._latest: dict[tuple[str, str], str] = {}
+        self._private: dict[tuple[str, str], list[str]] = {}  # in publication order
         self._anchors: dict[tuple[str, str], dict[int, str]] = {}
         self._shared: dict[str, dict[int, str]] = {}
 
@@ -77,6 +81,7 @@ class ContinuationStore:
                     f"{decision.reason}")
         self.mode = e.mode
         self.max_endpoints = e.max_endpoints
+        self.endpoints_per_session = e.endpoints_per_session
 
     def _published(self, e: ev.EndpointPublished) -> None:
         facts = e.endpoint
@@ -92,12 +97,15 @@ class ContinuationStore:
         self._index(facts, e.seq, e.seq)
 
     def _index(self, facts: EndpointFacts, published_seq: int, last_used_seq: int) -> None:
-        """Hold `facts`, replacing the endpoint in the same place (latest point, anchor
-        position, shared position)."""
+        """Hold `facts`, replacing the endpoint in the same place (anchor position, shared
+        position). Private endpoints are added beside the key's others: the engine evicts
+        superseded ones and those past the key's bound with events of their own."""
         key = (facts.tenant, facts.session or "")
         if facts.kind == "private":
-            self._drop(self._latest.get(key))
-            self._latest[key] = facts.id
+            if not self.endpoints_per_session:  # an older journal: one latest point a key
+                for old in self._private.get(key, [])[:]:
+                    self._drop(old)
+            self._private.setdefault(key, []).append(facts.id)
         else:
             index = (
                 self._anchors.setdefault(key, {})
@@ -111,7 +119,7 @@ class ContinuationStore:
     def _snapshotted(self, e: ev.StoreSnapshotted) -> None:
         if self.applied_seq == 0:  # a rotated journal opens here: start from its snapshot
             self._load(e)
-        elif _plain(self.snapshot()) != _plain(e.store):
+        elif _plain(self.snapshot()) != _plain({"endpoints_per_session": 0, **e.store}):
             raise InvariantViolation(5, e.seq, "the snapshot differs from the store folded from "
                                      "the events before it")
 
@@ -119,6 +127,7 @@ class ContinuationStore:
         snap = copy.deepcopy(e.store)
         self.mode = Mode(**snap["mode"]) if snap["mode"] else None
         self.max_endpoints = snap["max_endpoints"]
+        self.endpoints_per_session = snap.get("endpoints_per_session", 0)
         for item in snap["endpoints"]:
             facts = ev.from_plain(EndpointFacts, item["facts"])
             decision = salvage.materializable(facts.checkpoint, self.mode) if self.mode \
@@ -153,7 +162,9 @@ class ContinuationStore:
         f = stored.facts
         key = (f.tenant, f.session or "")
         if f.kind == "private":
-            self._latest.pop(key, None)
+            self._private[key].remove(endpoint_id)
+            if not self._private[key]:
+                del self._private[key]
         elif f.kind == "anchor":
             self._anchors.get(key, {}).pop(f.position, None)
         else:
@@ -166,9 +177,8 @@ class ContinuationStore:
         shared at equal positions)."""
         key = (tenant, session or "")
         ids = []
-        if session is not None and key in self._latest:
-            ids.append(self._latest[key])
         if session is not None:
+            ids.extend(self._private.get(key, ()))
             ids.extend(self._anchors.get(key, {}).values())
         ids.extend(self._shared.get(tenant, {}).values())
         found = [self.endpoints[i].facts for i in ids]
@@ -185,6 +195,13 @@ class ContinuationStore:
         if not self.endpoints:
             return None
         return min(self.endpoints.values(), key=_recency).facts.id
+    def private(self, tenant: str, session: str) -> list[StoredEndpoint]:
+        """The private endpoints of one session key (one per branch), in publication order."""
+        return [self.endpoints[i] for i in self._private.get((tenant, session), ())]
+
+    def sessions(self) -> list[tuple[str, str]]:
+        """The (tenant, session) keys holding private endpoints."""
+        return list(self._private)
 
     def over_capacity(self) -> list[str]:
         """Endpoints to evict, least recently used first, to get back within capacity."""
@@ -199,8 +216,9 @@ class ContinuationStore:
         return (
             self.mode,
             self.max_endpoints,
+            self.endpoints_per_session,
             {k: (s.facts, s.published_seq, s.last_used_seq) for k, s in self.endpoints.items()},
-            self._latest,
+            self._private,
             {k: v for k, v in self._anchors.items() if v},
             {k: v for k, v in self._shared.items() if v},
         )
@@ -211,6 +229,7 @@ class ContinuationStore:
         return {
             "mode": dataclasses.asdict(self.mode) if self.mode else None,
             "max_endpoints": self.max_endpoints,
+            "endpoints_per_session": self.endpoints_per_session,
             "endpoints": [{"facts": dataclasses.asdict(s.facts), "published_seq": s.published_seq,
                            "last_used_seq": s.last_used_seq} for s in self.endpoints.values()],
         }

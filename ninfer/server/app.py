@@ -237,8 +237,8 @@ def create_app(server: Server) -> FastAPI:
             body = validate(ChatRequest if chat else CompletionRequest, data)
             check_model(body.model)
             stop_ids = stop_tokens(server, body)
-            session = sessions.session_key(request.headers, body,
-                                           derive=server.settings.derive_session_keys)
+            session = sessions.openai_session_key(request.headers, body,
+                                                  derive=server.settings.derive_session_keys)
             tenant = sessions.tenant(api_key, body.cache_salt)
             encode_text = server.history.encoder(
                 lambda t: encode(server.tokenizer, t), tenant, session)

@@ -16,6 +16,7 @@ from ..lifecycle.request import SamplingParams
 from . import logs
 from .bodies import PromptTokensDetails, Timings, Usage
 from .errors import ApiError
+from .history import Known
 from .parsing import Delta, OutputParser, StopScanner
 
 log = logging.getLogger("ninfer.server")
@@ -28,7 +29,7 @@ class Settings:
     model_id: str
     max_context: int
     default_max_tokens: int = 512
-    derive_session_keys: bool = False
+    derive_session_keys: bool = True
     api_keys: tuple[str, ...] = ()
     max_pending: int = 64
     pending_timeout: float = 600.0
@@ -198,7 +199,8 @@ class Generation:
         output = tuple(self.outputs)
         text = self.server.tokenizer.decode(output) if output else ""
         self.server.history.remember(self.tenant, self.session, [
-            (self.prompt_text, self.prompt), (self.prompt_text + text, self.prompt + output)])
+            Known(self.prompt_text, self.prompt), Known(self.prompt_text + text,
+                                                         self.prompt + output)])
 
     def _parse(self, text: str) -> list[Delta]:
         if self.parser is None:

@@ -149,6 +149,9 @@ class SamplingFields(_Model):
     min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None  # (vLLM's) no stop before
     user: StrictStr | None = None
     session_id: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
+    # OpenAI's stable key for requests that share a prefix (the Codex CLI sends its
+    # conversation's): a session key (server/sessions.py); empty is none
+    prompt_cache_key: Annotated[StrictStr, Field(max_length=1024)] | None = None
     cache_salt: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
     logit_bias: dict[str, Any] | None = None
 

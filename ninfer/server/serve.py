@@ -49,9 +49,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         description="Serve MODEL (an HF directory or a .ninfer file; the embedded tiny default "
                     "when omitted) at /v1/chat/completions, /v1/completions, /v1/models, "
                     "/health and /metrics. A conversation's session key comes from the "
-                    "X-Session-Id header, else the session_id body field, else (with "
-                    "--derive-session-keys) from the instructions and first user message. "
-                    "The tenant is the API key together with the request's cache_salt.",
+                    "X-Session-Id header, else the session_id body field, else the "
+                    "prompt_cache_key body field, else (unless --no-derive-session-keys) from "
+                    "the instructions and first user message. The tenant is the API key "
+                    "together with the request's cache_salt.",
         formatter_class=_Defaults)
     p.add_argument("model", nargs="?", default=None,
                    help="model directory or .ninfer file (default: the embedded tiny model)")
@@ -79,9 +80,16 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="endpoints (continuation checkpoints) the store keeps")
     p.add_argument("--state-slots", type=_positive, default=96,
                    help="recurrent-state snapshot slots (lanes, captures and endpoints)")
-    p.add_argument("--derive-session-keys", action="store_true",
+    p.add_argument("--derive-session-keys", action=argparse.BooleanOptionalAction,
+                   default=True,
                    help="derive a session key from the instructions and the first user "
-                        "message when the request names none")
+                        "message when the request names none (--no-derive-session-keys: "
+                        "such a request reuses only shared prefixes; --derive-session-keys, "
+                        "the default, is kept for older command lines)")
+    p.add_argument("--endpoints-per-session", type=_positive, default=4, metavar="N",
+                   help="private endpoints one session key keeps, one per branch (an agent's "
+                        "main loop, its sub-agents and side calls share a key); past N the "
+                        "least recently used goes")
     p.add_argument("--auto-long-anchors", type=int, default=2, metavar="N",
                    help="private anchors at up to N of the last message boundaries of every "
                         "prompt, so a client that rewrites recent history resumes from the "
@@ -181,6 +189,7 @@ def load(args: argparse.Namespace) -> Loaded:
                           prefill_chunk=args.prefill_chunk or default_prefill_chunk(args.device),
                           spec=args.spec, draft_tokens=args.draft_tokens,
                           max_endpoints=args.max_endpoints,
+                          endpoints_per_session=args.endpoints_per_session,
                           max_context=min(args.max_context, args.kv_capacity),
                           auto_anchors=max(args.auto_long_anchors, 0), keep_finished=False,
                           journal_tokens=args.journal_content == "tokens")
@@ -219,19 +228,23 @@ def warm_up(server) -> None:
 
 
 def recall_history(server) -> int:
-    """After a restart, each conversation's latest endpoint (restored from disk) tells the
-    ids its next prompt is spliced onto: the in-memory history died with the process.
-    Returns how many conversations were recalled."""
+    """After a restart, each branch's private endpoint (restored from disk) tells the ids
+    its next prompt is spliced onto: the in-memory history died with the process. Returns
+    how many branches were recalled."""
+    from .history import Known
+
     def latest(engine) -> list:
-        return [(f.tenant, f.session, engine.held[f.checkpoint.id].tokens)
-                for f in (s.facts for s in engine.store.endpoints.values())
-                if f.kind == "private" and f.checkpoint.id in engine.held]
+        held = sorted((s for s in engine.store.endpoints.values()
+                       if s.facts.kind == "private" and s.facts.checkpoint.id in engine.held),
+                      key=lambda s: (s.last_used_seq, s.published_seq))  # least recent first
+        return [(s.facts.tenant, s.facts.session, engine.held[s.facts.checkpoint.id].tokens)
+                for s in held]
 
     found = server.thread.call(latest).result(60)
     for tenant, session, ids in found:
         # a prefix that ends inside a character decodes with a replacement mark and then
         # never matches a prompt's text: such a conversation is simply not spliced
-        server.history.remember(tenant, session, [(server.tokenizer.decode(ids), ids)])
+        server.history.remember(tenant, session, [Known(server.tokenizer.decode(ids), ids)])
     return len(found)
 
 

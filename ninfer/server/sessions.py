@@ -1,11 +1,16 @@
 """Conversations and tenants: who may reuse what.
 
-Session key (the conversation a request belongs to), first found wins:
+Session key (the conversation a request belongs to): each API adapter lists where its
+requests may carry one, in order of precedence, as `KeySource`s; the first with a value
+wins. Chat and text completions (`openai_session_key`):
   1. the `X-Session-Id` header;
   2. the `session_id` body field;
-  3. with `--derive-session-keys` (chat only): a digest of the instructions (system and
+  3. OpenAI's `prompt_cache_key` body field;
+  4. unless `--no-derive-session-keys` (chat only): a digest of the instructions (system and
      developer messages, in order) and the first user message.
-A request without one is planned from shared prefixes only.
+Another adapter passes its own fields (Anthropic's `metadata.user_id`) among the same
+sources, and its own instructions and first user message to `derived_key`.
+A request without a key is planned from shared prefixes only.
 
 Tenant (who may see a cache entry): the API key in use (its digest: keys never reach the
 journal) and the request's `cache_salt` together. Nothing published under one tenant is
@@ -16,39 +21,72 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from .errors import ApiError
-from .schemas import ChatRequest
+from .schemas import ChatRequest, CompletionRequest
 
 SESSION_HEADER = "x-session-id"
 
 
+class KeySource(NamedTuple):
+    """One place a session key may come from. The key is `namespace-value`: namespaces
+    are words without '-', so keys from different namespaces never collide; sources that
+    name the same thing (the header and `session_id`) share one. The value must be valid
+    Unicode, since the journal stores it: a length-constrained pydantic string field (as
+    the schemas' key fields are) refuses a lone surrogate."""
+
+    namespace: str      # id | cache | derived (an adapter may add its own)
+    value: str | None   # None (or empty) when the request does not carry it
+
+
+def session_key(sources: Iterable[KeySource]) -> str | None:
+    """The key of the first source with a value, or None when none has one."""
+    for source in sources:
+        if source.value:
+            return f"{source.namespace}-{source.value}"
+    return None
+
+
+def header_source(headers) -> KeySource:
+    """`X-Session-Id`, the first source of every API (400 when it is empty or too long)."""
+    explicit = headers.get(SESSION_HEADER)
+    if explicit is not None and not 0 < len(explicit) <= 256:
+        raise ApiError(400, "X-Session-Id must be 1 to 256 characters", param="X-Session-Id")
+    return KeySource("id", explicit)
+
+
 def _digest(*parts: str) -> str:
     h = hashlib.blake2b(digest_size=8)
-    h.update(json.dumps(parts, ensure_ascii=False).encode("utf-8"))
+    # surrogatepass: a lone surrogate gets its 400 from the tokenizer, not from here
+    h.update(json.dumps(parts, ensure_ascii=False).encode("utf-8", "surrogatepass"))
     return h.hexdigest()
 
 
-def derived_session(body: ChatRequest) -> str | None:
-    instructions = [m.text() for m in body.messages if m.role in ("system", "developer")]
-    first_user = next((m.text() for m in body.messages if m.role == "user"), None)
+def derived_key(instructions: Sequence[str], first_user: str | None) -> str | None:
+    """The last source: a digest of the instructions, in order, and the first user message
+    (None without one). The same conversation gets the same key whichever API sends it."""
     if first_user is None:
         return None
-    return "derived-" + _digest(*instructions, "\x00user", first_user)
+    return _digest(*instructions, "\x00user", first_user)
 
 
-def session_key(headers, body, *, derive: bool) -> str | None:
-    explicit = headers.get(SESSION_HEADER)
-    if explicit is not None:
-        if not 0 < len(explicit) <= 256:
-            raise ApiError(400, "X-Session-Id must be 1 to 256 characters", param="X-Session-Id")
-        return "id-" + explicit
-    if body.session_id is not None:
-        return "id-" + body.session_id
+def chat_derived_key(body: ChatRequest) -> str | None:
+    instructions = [m.text() for m in body.messages if m.role in ("system", "developer")]
+    first_user = next((m.text() for m in body.messages if m.role == "user"), None)
+    return derived_key(instructions, first_user)
+
+
+def openai_session_key(headers, body: ChatRequest | CompletionRequest, *,
+                       derive: bool) -> str | None:
+    """Chat and text completions' session key (the module's docstring gives the order)."""
+    sources = [header_source(headers), KeySource("id", body.session_id),
+               KeySource("cache", body.prompt_cache_key)]
     if derive and isinstance(body, ChatRequest):
-        return derived_session(body)
-    return None
+        sources.append(KeySource("derived", chat_derived_key(body)))
+    return session_key(sources)
 
 
 def tenant(api_key: str | None, cache_salt: str | None) -> str:

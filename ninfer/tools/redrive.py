@@ -31,6 +31,7 @@ from ..engine.engine import Engine, EngineConfig, Submit
 from ..engine.speculative import accept_greedy
 from ..lifecycle import events as ev
 from ..lifecycle.checks import JournalChecker
+from ..lifecycle.conversation import SESSION_BOUND, SUPERSEDED
 from ..lifecycle.journal import Journal
 from ..lifecycle.request import SamplingParams
 from ..lifecycle.store import InvariantViolation
@@ -38,6 +39,8 @@ from ..model.pools import BlockPool, SlotPool
 
 ENDED = (4, 0)
 STATE_RANK = {"Queued": 0, "Prefilling": 1, "Active": 2, "Finishable": 3}
+# evictions the engine makes itself (a redriven engine makes them again), not an operator's
+ENGINE_EVICTIONS = ("capacity", "memory", SUPERSEDED, SESSION_BOUND)
 COMPARED = ("plan", "published", "refused", "outcome", "outputs")
 SIM_VOCAB = 1 << 20      # SimModel's vocabulary in a redrive: any recorded id fits
 SIM_BLOCKS, SIM_SLOTS = 8192, 512
@@ -187,7 +190,7 @@ def read_recording(events: Iterable[ev.Event], meta: dict | None = None) -> Reco
                             SamplingParams(**params), tuple(e.boundaries), e.shared_prefix)
             requests[e.request] = Recorded(e.request, submit)
             actions.append(Action("submit", dict(follow.progress), request=e.request))
-        elif isinstance(e, ev.EndpointEvicted) and e.reason not in ("capacity", "memory"):
+        elif isinstance(e, ev.EndpointEvicted) and e.reason not in ENGINE_EVICTIONS:
             actions.append(Action("evict", dict(follow.progress),
                                   endpoint=follow.published_by.get(e.endpoint)))
         if e.request in requests:
@@ -259,6 +262,8 @@ def _config(started: ev.ServerStarted) -> EngineConfig:
     return EngineConfig(
         max_concurrency=started.max_concurrency, spec=started.mode.spec,
         max_endpoints=started.max_endpoints, prefill_chunk=o.get("prefill_chunk", 512),
+        # a journal from before a key held several endpoints kept one, replaced: bound 1
+        endpoints_per_session=started.endpoints_per_session or 1,
         draft_tokens=o.get("draft_tokens", 3), auto_anchors=o.get("auto_anchors", 2),
         max_context=o.get("max_context", 8192), keep_finished=True)
 

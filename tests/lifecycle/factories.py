@@ -32,10 +32,12 @@ def endpoint(tokens, *, kind="private", tenant="t", session="s", ep_id=None, **k
 class Feed:
     """A store fed with consecutive seqs."""
 
-    def __init__(self, mode=MTP, max_endpoints=16):
+    def __init__(self, mode=MTP, max_endpoints=16, endpoints_per_session=4):
+        """`endpoints_per_session` 0: a journal from before a key held several."""
         self.store = ContinuationStore()
         self.seq = 0
-        self.apply(ev.ServerStarted(mode=mode, max_concurrency=2, max_endpoints=max_endpoints))
+        self.apply(ev.ServerStarted(mode=mode, max_concurrency=2, max_endpoints=max_endpoints,
+                                    endpoints_per_session=endpoints_per_session))
 
     def apply(self, event):
         self.seq += 1

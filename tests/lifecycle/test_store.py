@@ -9,8 +9,17 @@ from .factories import MODEL, MTP, NONE, Feed, endpoint
 A = tuple(range(20))
 
 
-def test_a_new_private_endpoint_replaces_the_latest_point():
+def test_private_endpoints_of_one_key_are_kept_side_by_side_until_evicted():
     f = Feed()
+    f.publish(endpoint(A[:10], ep_id="e1"))
+    f.publish(endpoint(A[:15], ep_id="e2"))
+    assert [e.id for e in f.store.candidates("t", "s")] == ["e2", "e1"]
+    f.apply(ev.EndpointEvicted(endpoint="e1", reason="superseded"))
+    assert [s.facts.id for s in f.store.private("t", "s")] == ["e2"]
+
+
+def test_in_a_journal_from_before_several_per_key_the_new_private_endpoint_replaces():
+    f = Feed(endpoints_per_session=0)
     f.publish(endpoint(A[:10], ep_id="e1"))
     f.publish(endpoint(A[:15], ep_id="e2"))
     assert [e.id for e in f.store.candidates("t", "s")] == ["e2"]
@@ -84,7 +93,8 @@ def test_replay_equals_the_live_fold():
            f.publish(endpoint(A[:9], ep_id="la")),
            f.apply(ev.EndpointEvicted(endpoint="sh", reason="capacity"))]
     replayed = ContinuationStore.replay([ev.ServerStarted(seq=1, mode=MTP, max_concurrency=2,
-                                                          max_endpoints=16), *log])
+                                                          max_endpoints=16,
+                                                          endpoints_per_session=4), *log])
     assert replayed == f.store
     replayed.apply(ev.EndpointEvicted(seq=99, endpoint="la", reason="x"))
     assert replayed != f.store

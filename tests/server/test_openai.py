@@ -115,14 +115,14 @@ def test_session_from_body_and_derived(live, client):
     history = [*messages, assistant_of(one), {"role": "user", "content": "Again."}]
     two = turn(client, history, extra_body={"session_id": "body-1"})
     assert two.usage.prompt_tokens_details.cached_tokens > one.usage.prompt_tokens
-    with live.configured(derive_session_keys=True):
-        messages = [SYSTEM, {"role": "user", "content": "A derived conversation."}]
-        one = turn(client, messages)
-        history = [*messages, assistant_of(one), {"role": "user", "content": "More."}]
-        two = turn(client, history)
-        assert two.usage.prompt_tokens_details.cached_tokens > one.usage.prompt_tokens
-    # without a key, only the shared prefix (system prompt) can be reused
-    three = turn(client, [*history, assistant_of(two), {"role": "user", "content": "x"}])
+    messages = [SYSTEM, {"role": "user", "content": "A derived conversation."}]
+    one = turn(client, messages)  # derived by default
+    history = [*messages, assistant_of(one), {"role": "user", "content": "More."}]
+    two = turn(client, history)
+    assert two.usage.prompt_tokens_details.cached_tokens > one.usage.prompt_tokens
+    # without a key (none derived), only the shared prefix (system prompt) can be reused
+    with live.configured(derive_session_keys=False):
+        three = turn(client, [*history, assistant_of(two), {"role": "user", "content": "x"}])
     assert live.started(three.id.split("-", 1)[1])["plan"] in ("SharedPrefix", "Root")
 
 

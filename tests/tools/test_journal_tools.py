@@ -62,7 +62,8 @@ def test_replay_summary_counts_match_the_events(journal, capsys):
     refusals = [e.reason for e in evs if e.kind == "PublicationRefused"]
     assert refusals and sum(s["refused"].values()) == len(refusals)
     assert set(s["refused"]) == set(refusals)
-    assert s["evicted"] == {} and s["lost"] == {}
+    # the retry's endpoint extends the cut request's: that branch moved forward
+    assert s["evicted"] == {"superseded": 1} and s["lost"] == {}
     assert s["store"]["endpoints"] == 1 and s["store"]["by_kind"] == {"private": 1}
     rc, out, _ = run(capsys, "replay", journal)
     assert rc == 0 and "2 requests" in out and refusals[0] in out
@@ -160,7 +161,10 @@ def test_show_lists_a_request_in_order_with_the_refusal_reason(journal, capsys):
     rc, doc = run_json(capsys, "show", journal, "--conversation", "s")
     assert rc == 0 and [x["request"] for x in doc][0] == "r1"
     assert [x["seq"] for x in doc] == sorted(x["seq"] for x in doc)
-    assert {x["request"] for x in doc} == {"r1", "r2"} and doc[-1]["terminal"]
+    # the conversation's own events, and the eviction of the endpoint its retry superseded
+    assert {x["request"] for x in doc} == {"r1", "r2", None}
+    assert [x["kind"] for x in doc if x["request"] is None] == ["EndpointEvicted"]
+    assert [x for x in doc if x["request"]][-1]["terminal"]
     assert "plan=PrivateEndpoint reuse_base=8" in " ".join(x["detail"] for x in doc)
     rc, _, err = run(capsys, "show", journal, "--request", "nope")
     assert rc == 1 and "no events" in err
