@@ -19,7 +19,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..lifecycle import events as ev
-from ..lifecycle.journal import SCHEMA_VERSION, JournalError
+from ..lifecycle.journal import JournalError
+from ..lifecycle.journalfile import SCHEMA_VERSION
 from ..lifecycle.store import InvariantViolation
 from . import scan
 from .scan import LEAN_DATA, check, replay_summary  # noqa: F401 - the passes, re-exported
