@@ -13,7 +13,7 @@ import json
 import sqlite3
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from .events import Event, UnknownEventKind, from_row
 from .journalfile import (
@@ -37,6 +37,9 @@ LEAN_DATA = "CASE kind " + " ".join(
     for k, drop in LEAN_DROP.items()) + " ELSE data END"
 LEAN_COLUMNS = f"seq, time, request, conversation, kind, {LEAN_DATA}"
 NOT_JSON = "payload is not JSON"
+# (seq, request, conversation, kind) as SQLite returns it: a NamedTuple made of each row
+# would cost recovery ~0.25 us an envelope, 3% of its time
+Envelope = tuple[int, str | None, str | None, str]
 _BATCH = 1024
 
 
@@ -58,15 +61,6 @@ class UnreadableEvent(JournalError):
         if isinstance(error, UnknownEventKind):
             return cls.unknown_kind(where, row[0], row[4])
         return cls(where, row[0], row[4], error)
-
-
-class Envelope(NamedTuple):
-    """An event's envelope, its payload left unread."""
-
-    seq: int
-    request: str | None
-    conversation: str | None
-    kind: str
 
 
 class JournalReader:
@@ -181,12 +175,12 @@ class JournalReader:
             raise UnreadableEvent.of_row(self.path, row, e) from e
 
     def envelopes(self, kinds: Sequence[str]) -> Iterator[Envelope]:
-        """The envelopes of the events of `kinds` in seq order, payloads left unread: who
-        came and went, for recovery."""
+        """The envelopes (seq, request, conversation, kind) of the events of `kinds` in seq
+        order, payloads left unread: who came and went, for recovery."""
         sql = (f"SELECT seq, request, conversation, kind FROM events WHERE kind IN "
                f"({','.join('?' * len(kinds))}) ORDER BY seq")
         with self.errors("reading events"):
-            yield from map(Envelope._make, self.conn.execute(sql, list(kinds)))
+            yield from self.conn.execute(sql, list(kinds))
 
     @staticmethod
     def _select(start_seq: int, kinds: Sequence[str] | None, request: str | None,
