@@ -25,9 +25,10 @@ from pathlib import Path
 
 from ..engine.engine import Engine, EngineConfig
 from ..lifecycle.journal import Journal
+from ..lifecycle.reader import JournalReader
 from ..model.pools import BlockPool, SlotPool
 from ..model.sim_model import SimModel
-from ..tools.journal import Source, check, replay_summary
+from ..tools.scan import check, replay_summary
 from .lifecycle import SESSIONS, build_journal
 from .report import report
 
@@ -66,6 +67,18 @@ def raw_read(path: Path) -> int:
         conn.close()
 
 
+def replay(path: Path) -> dict:
+    """`ninfer journal replay` on `path`, without printing."""
+    with JournalReader.open(path) as src:
+        return replay_summary(src)
+
+
+def check_all(path: Path):
+    """`ninfer journal check` on `path`, without printing: (what it verified, a problem)."""
+    with JournalReader.open(path) as src:
+        return check(src)
+
+
 def recover(path: Path) -> int:
     """A restart on `path`: what `ninfer serve` does before it serves."""
     with Journal.open(path) as journal:
@@ -85,9 +98,9 @@ def main(events: int = 1_000_000, json_path: str | None = None, repeat: int = 3)
         built = build_journal(path, events)
         n, raw_s = _timed(lambda: raw_read(path), repeat)
         assert n == built
-        summary, replay_s = _timed(lambda: replay_summary(Source(str(path))), repeat)
+        summary, replay_s = _timed(lambda: replay(path), repeat)
         assert summary["events"] == built and summary["store"]["endpoints"]
-        (checker, violation), check_s = _timed(lambda: check(Source(str(path))), repeat)
+        (checker, violation), check_s = _timed(lambda: check_all(path), repeat)
         assert violation is None and checker.events == built, violation
         copy = Path(tmp) / "restart.db"
         shutil.copy(path, copy)

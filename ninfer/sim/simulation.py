@@ -26,7 +26,8 @@ from pathlib import Path
 from ..lifecycle.checks import JournalChecker
 from ..lifecycle.eventlog import EventLog
 from ..lifecycle.journal import Journal
-from ..tools.journal import Source, check
+from ..lifecycle.reader import JournalReader
+from ..tools.scan import check
 from .clients import Clients
 from .clock import VirtualClock
 from .faults import Strike, boot_without_commit, reopen_after_crash, step_without_commit
@@ -192,11 +193,8 @@ class Simulation:
 
     def _check_journal_file(self) -> None:
         """The file alone, as `ninfer journal check` reads it, holds every J invariant."""
-        source = Source(str(self.path))
-        try:
+        with JournalReader.open(self.path) as source:
             _, violation = check(source)
-        finally:
-            source.conn.close()
         if violation is not None:
             raise violation
 
@@ -230,9 +228,7 @@ class Simulation:
         digest = hashlib.sha256()
         outcomes: Counter = Counter()
         observed: Counter = Counter()
-        rows = self.journal.db.execute(
-            "SELECT seq, time, request, conversation, kind, data FROM events ORDER BY seq")
-        for row in rows:
+        for row in self.journal.reader.rows():
             digest.update(json.dumps(row, separators=(",", ":")).encode() + b"\n")
             kind, data = row[4], row[5]
             if kind == "RequestFinished":

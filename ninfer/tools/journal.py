@@ -1,9 +1,10 @@
 """`ninfer journal replay | check | show | stats | export | redrive`: read a journal, never
 write it.
 
-The file is opened read-only (SQLite `mode=ro`); rows are decoded with `events.from_row`.
-Exit status: 0 fine, 1 an invariant violation (check, replay) or nothing to show, 2 a journal
-that cannot be read (JournalError: not SQLite, foreign schema, undecodable event)."""
+Every command reads through a `JournalReader` (the file opened read-only, after the
+journal's own checks). Exit status: 0 fine, 1 an invariant violation (check, replay) or
+nothing to show, 2 a journal that cannot be read (a JournalError: not SQLite, a foreign or
+newer schema, an event that does not decode)."""
 
 from __future__ import annotations
 
@@ -11,86 +12,39 @@ import argparse
 import dataclasses
 import json
 import math
-import sqlite3
 import sys
 from collections import Counter
-from pathlib import Path
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
 
 from tqdm import tqdm
 
 from ..lifecycle import events as ev
-from ..lifecycle.journal import SCHEMA_VERSION, JournalError
+from ..lifecycle.journal import JournalError
+from ..lifecycle.reader import COLUMNS, JournalReader
 from ..lifecycle.store import InvariantViolation
 from . import scan
-from .scan import LEAN_DATA, check, replay_summary  # noqa: F401 - the passes, re-exported
+from .scan import check, replay_summary
 
 LEAD_UP = 8              # events of the request printed before a violation
-_COLS = "seq, time, request, conversation, kind, data"
-_LEAN_COLS = "seq, time, request, conversation, kind, " + LEAN_DATA
+_TICK = 4096             # items between two updates of a progress bar
+T = TypeVar("T")
 
 
-class Source:
-    """A journal opened read-only; `read` makes it usable by `ContinuationStore.from_journal`."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        if not Path(path).is_file():
-            raise JournalError(f"journal {path}: no such file")
-        try:
-            # no WAL beside it: nothing is writing, so read it as immutable and leave no
-            # -wal / -shm files behind; with one, read-only through SQLite's WAL protocol
-            idle = not Path(f"{path}-wal").exists()
-            uri = Path(path).resolve().as_uri() + ("?mode=ro&immutable=1" if idle else "?mode=ro")
-            self.conn, self.conn_uri = sqlite3.connect(uri, uri=True), uri
-            tables = {r[0] for r in self.conn.execute(
-                "SELECT name FROM sqlite_master WHERE type='table'")}
-            meta = dict(self.conn.execute("SELECT key, value FROM meta")) \
-                if "meta" in tables else {}
-            self.count = self.conn.execute("SELECT COUNT(*) FROM events").fetchone()[0] \
-                if "events" in tables else 0
-        except sqlite3.Error as e:
-            raise JournalError(f"journal {path}: {e}") from e
-        if "events" not in tables or meta.get("application") != '"ninfer"':
-            raise JournalError(f"journal {path}: foreign schema (tables {sorted(tables)})")
-        try:
-            self.meta = {k: json.loads(v) for k, v in meta.items()}
-        except (TypeError, ValueError) as e:
-            raise JournalError(f"journal {path}: damaged meta table: {e}") from None
-        if int(json.loads(meta.get("schema_version", "0"))) > SCHEMA_VERSION:
-            raise JournalError(f"journal {path}: written by a newer ninfer")
-
-    def rows(self, where: str = "", params: tuple = (), order: str = "ORDER BY seq",
-             progress: bool = False, lean: bool = False, select: str | None = None):
-        """Rows in seq order; `lean`: without token ids (prompts' and checkpoints');
-        `select`: other columns than the row's six."""
-        total = self.count if progress else 0
-        bar = tqdm(total=total, disable=total <= scan.PROGRESS_MIN, file=sys.stderr, unit="ev",
-                   leave=False)
-        cols = select or (_LEAN_COLS if lean else _COLS)
-        try:
-            cur = self.conn.execute(f"SELECT {cols} FROM events {where} {order}", params)
-            while batch := cur.fetchmany(4096):
-                yield from batch
-                bar.update(len(batch))
-        except sqlite3.Error as e:
-            raise JournalError(f"journal {self.path}: reading events: {e}") from e
-        finally:
-            bar.close()
-
-    def events(self, where: str = "", params: tuple = (), progress: bool = False, **kw):
-        for row in self.rows(where, params, progress=progress, **kw):
-            try:
-                yield ev.from_row(*row)
-            except Exception as e:  # an unknown kind or a bad payload is the journal's fault
-                raise JournalError(f"journal {self.path}: undecodable {row[4]!r} event at seq "
-                                   f"{row[0]}: {e}") from e
-
-    def read(self, start_seq: int = 1, kinds=None):
-        where, params = "WHERE seq >= ?", (start_seq,)
-        if kinds is not None:
-            where += f" AND kind IN ({','.join('?' * len(kinds))})"
-            params += tuple(kinds)
-        return self.events(where, params)
+def _progress(items: Iterable[T], total: int) -> Iterator[T]:
+    """`items`, with a progress bar on stderr while they come when `total` (how many there
+    will be at most) is above scan.PROGRESS_MIN."""
+    if total <= scan.PROGRESS_MIN:
+        yield from items
+        return
+    bar = tqdm(total=total, file=sys.stderr, unit="ev", leave=False)
+    try:
+        for n, item in enumerate(items, 1):
+            yield item
+            if not n % _TICK:
+                bar.update(_TICK)
+    finally:
+        bar.close()
 
 
 def export_dict(row: tuple) -> dict:
@@ -99,11 +53,15 @@ def export_dict(row: tuple) -> dict:
             "kind": kind, "data": json.loads(data)}
 
 
-def lead_up(src: Source, v: InvariantViolation, n: int = LEAD_UP) -> list[dict]:
-    where, params = ("WHERE request = ? AND seq <= ?", (v.request, v.seq)) if v.request \
-        else ("WHERE seq <= ? AND seq > ?", (v.seq, v.seq - n))
-    rows = list(src.rows(where, params, order=f"ORDER BY seq DESC LIMIT {int(n)}"))
-    return [export_dict(r) | {"detail": describe(ev.from_row(*r))} for r in reversed(rows)]
+def lead_up(src: JournalReader, v: InvariantViolation, n: int = LEAD_UP) -> list[dict]:
+    """The last `n` events up to the violation `v`'s seq (its request's, when it names
+    one), oldest first, with a detail line each."""
+    where, params = ("request = ? AND seq <= ?", (v.request, v.seq)) if v.request \
+        else ("seq <= ? AND seq > ?", (v.seq, v.seq - n))
+    with src.errors("reading events"):  # newest first: SQLite stops after n
+        rows = src.query(f"SELECT {COLUMNS} FROM events WHERE {where} ORDER BY seq DESC "
+                         f"LIMIT {int(n)}", params).fetchall()
+    return [export_dict(r) | {"detail": describe(src.decode(r))} for r in reversed(rows)]
 
 
 def describe(e: ev.Event) -> str:
@@ -133,11 +91,10 @@ def describe(e: ev.Event) -> str:
                     if f.name not in skip)
 
 
-def timeline(src: Source, request: str | None, conversation: str | None) -> list[dict]:
-    where, params = ("WHERE request = ?", (request,)) if request is not None \
-        else ("WHERE conversation = ?", (conversation,))
+def timeline(src: JournalReader, request: str | None, conversation: str | None) -> list[dict]:
+    which = {"request": request} if request is not None else {"conversation": conversation}
     out, t0 = [], None
-    for e in src.events(where, params, progress=True, lean=True):
+    for e in _progress(src.events(lean=True, **which), src.count()):
         t0 = e.time if t0 is None else t0
         out.append({"seq": e.seq, "offset": e.time - t0, "request": e.request, "kind": e.kind,
                     "detail": describe(e), "terminal": e.kind in ev.TERMINAL_KINDS})
@@ -152,12 +109,13 @@ def _quantile(xs: list[float], q: float) -> float | None:
     return xs[max(0, math.ceil(q * len(xs) - 1e-9) - 1)]
 
 
-def stats(src: Source) -> dict:
+def stats(src: JournalReader) -> dict:
+    count = src.count()
     first = last = None
     queued_at, prompt, outputs, ttft, ratios = {}, {}, Counter(), {}, []
     drafted = accepted = committed = requests = 0
     cancels = Counter()
-    for e in src.events(progress=True, lean=True):
+    for e in _progress(src.events(lean=True), count):
         first = e.time if first is None else first
         last, k = e.time, e.kind
         if k == "RequestQueued":
@@ -179,7 +137,7 @@ def stats(src: Source) -> dict:
             cancels[e.at_state] += 1
     span = (last - first) if first is not None else 0.0
     lat = list(ttft.values())
-    return {"events": src.count, "requests": requests, "span_s": span,
+    return {"events": count, "requests": requests, "span_s": span,
             "requests_per_s": requests / span if span > 0 else None,
             "tokens_committed": committed,
             "tokens_per_s": committed / span if span > 0 else None,
@@ -198,7 +156,7 @@ def _table(title: str, counts: dict) -> list[str]:
     return [f"{title}:"] + (rows or ["  (none)"])
 
 
-def _replay(args: argparse.Namespace, src: Source) -> int:
+def _replay(args: argparse.Namespace, src: JournalReader) -> int:
     try:
         s = replay_summary(src)
     except InvariantViolation as v:
@@ -218,7 +176,7 @@ def _replay(args: argparse.Namespace, src: Source) -> int:
     return 0
 
 
-def _check(args: argparse.Namespace, src: Source) -> int:
+def _check(args: argparse.Namespace, src: JournalReader) -> int:
     done, v = check(src)
     if v is None:
         doc = {"ok": True, "events": done.events, "requests": done.requests}
@@ -251,7 +209,7 @@ def _check(args: argparse.Namespace, src: Source) -> int:
     return 1
 
 
-def _show(args: argparse.Namespace, src: Source) -> int:
+def _show(args: argparse.Namespace, src: JournalReader) -> int:
     lines = timeline(src, args.request, args.conversation)
     if not lines:
         what = f"request {args.request}" if args.request is not None \
@@ -267,7 +225,7 @@ def _show(args: argparse.Namespace, src: Source) -> int:
     return 0
 
 
-def _stats(args: argparse.Namespace, src: Source) -> int:
+def _stats(args: argparse.Namespace, src: JournalReader) -> int:
     s = stats(src)
     if args.json:
         return _dump(s)
@@ -277,14 +235,15 @@ def _stats(args: argparse.Namespace, src: Source) -> int:
     return 0
 
 
-def _export(args: argparse.Namespace, src: Source) -> int:
+def _export(args: argparse.Namespace, src: JournalReader) -> int:
+    rows = _progress(src.rows(), src.count())
     out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
     try:
         if args.json:
-            json.dump([export_dict(r) for r in src.rows(progress=True)], out)
+            json.dump([export_dict(r) for r in rows], out)
             out.write("\n")
         else:
-            for r in src.rows(progress=True):
+            for r in rows:
                 out.write(json.dumps(export_dict(r), separators=(",", ":")) + "\n")
     finally:
         if out is not sys.stdout:
@@ -292,10 +251,10 @@ def _export(args: argparse.Namespace, src: Source) -> int:
     return 0
 
 
-def _redrive(args: argparse.Namespace, src: Source) -> int:
+def _redrive(args: argparse.Namespace, src: JournalReader) -> int:
     from .redrive import Recording, Redrive, RedriveError, read_recording
     try:
-        recording: Recording = read_recording(src.events(progress=True), src.meta)
+        recording: Recording = read_recording(_progress(src.events(), src.count()), src.meta)
     except RedriveError as e:
         print(f"ninfer journal redrive: {src.path}: {e}", file=sys.stderr)
         return 2
@@ -366,7 +325,8 @@ def _dump(doc) -> int:
 def _run(command):
     def run(args: argparse.Namespace) -> int:
         try:
-            return command(args, Source(args.path))
+            with JournalReader.open(args.path) as src:
+                return command(args, src)
         except JournalError as e:
             print(f"ninfer journal {args.journal_command}: {e}", file=sys.stderr)
             return 2

@@ -25,6 +25,7 @@ import sqlite3
 import sys
 import threading
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from tqdm import tqdm
@@ -39,24 +40,17 @@ from ..lifecycle.checks import (
     StoreChecks,
 )
 from ..lifecycle.journal import JournalError
+from ..lifecycle.reader import COLUMNS, LEAN_DROP, NOT_JSON, JournalReader, UnreadableEvent
 from ..lifecycle.store import FOLD_KINDS, ContinuationStore, InvariantViolation
 
 # the consumers that judge invariants need no token ids: SQLite drops them before Python
-# parses the JSON (prompt ids, checkpoint ids: most of a journal's bytes)
-_LEAN_DROP = {"RequestQueued": "'$.tokens', NULL, '$.block_hashes', json('[]')",
-              "EndpointPublished": "'$.endpoint.checkpoint.tokens', NULL",
-              "CheckpointCaptured": "'$.checkpoint.tokens', NULL"}
-# for the tools' row readers, a payload that is not JSON goes to Python as it is, which
-# names the seq it is at; the passes below parse it once, unguarded, and on SQLite's
-# "malformed JSON" look for the payload that stopped them (`_unreadable`)
-LEAN_DATA = "CASE kind " + " ".join(
-    f"WHEN '{k}' THEN CASE WHEN json_valid(data) THEN json_replace(data, {drop}) ELSE data END"
-    for k, drop in _LEAN_DROP.items()) + " ELSE data END"
+# parses the JSON. Unlike the reader's lean payload (LEAN_DATA) this one is unguarded: the
+# passes parse each payload once, and on SQLite's "malformed JSON" ask the reader for the
+# payload that stopped them (`JournalReader.failure`)
 _LEAN = "CASE kind " + " ".join(
-    f"WHEN '{k}' THEN json_replace(data, {drop})" for k, drop in _LEAN_DROP.items()
+    f"WHEN '{k}' THEN json_replace(data, {drop})" for k, drop in LEAN_DROP.items()
 ) + " ELSE data END"
 PARALLEL_MIN = 20_000   # events: below this a second process costs more than it saves
-_COLUMNS = "seq, time, request, conversation, kind, data"
 PROGRESS_MIN = 100_000  # show a progress bar above this many events
 _MASK = 4095            # every 4096 seqs: a progress update, a look at the other pass
 
@@ -70,28 +64,6 @@ def _ENVELOPE_OF(kinds) -> str:  # noqa: N802 - builds SQL, like the constants i
     (the ones decoded), NULL for the others, which need not become Python objects."""
     decoded = f"kind IN ({_quoted(kinds)})"
     return f"CASE WHEN {decoded} THEN time END, request, CASE WHEN {decoded} THEN conversation END"
-
-
-class UnreadableEvent(JournalError):
-    """The event at `seq` cannot be read."""
-
-    def __init__(self, message: str, seq: int) -> None:
-        super().__init__(message)
-        self.seq = seq
-
-
-def _unreadable(src, e: sqlite3.Error, after: int) -> JournalError:
-    """SQLite stopped a pass past seq `after`: at a payload that is not JSON, named, or
-    for another reason, said."""
-    try:
-        bad = src.conn.execute("SELECT seq, kind FROM events WHERE seq > ? AND NOT "
-                               "json_valid(data) ORDER BY seq LIMIT 1", (after,)).fetchone()
-    except sqlite3.Error:
-        bad = None
-    if bad is None:
-        return JournalError(f"journal {src.path}: reading events: {e}")
-    return UnreadableEvent(f"journal {src.path}: undecodable {bad[1]!r} event at seq {bad[0]}: "
-                           "payload is not JSON", bad[0])
 
 
 class _NoBar:
@@ -114,16 +86,15 @@ def _forkable() -> bool:
 
 
 @contextlib.contextmanager
-def _reading(src, select: str, where: str = "", progress: bool = False):
+def _reading(src: JournalReader, select: str, where: str = "", total: int = 0):
     """A cursor over `select` of every event in seq order (iterated row by row: cheaper than
-    batches) and a progress bar the reader updates every TICK rows."""
-    total = src.count if progress else 0
+    batches) and a progress bar of `total` events the reader updates every TICK rows."""
     # no bar at all when hidden (a forked pass must not touch tqdm's lock), and none with a
     # monitor thread (a thread alive would keep `check` from forking)
     bar = tqdm(total=total, file=sys.stderr, unit="ev", leave=False, mininterval=0.5) \
         if total > PROGRESS_MIN else _NO_BAR
     try:
-        yield src.conn.execute(f"SELECT {select} FROM events {where} ORDER BY seq"), bar
+        yield src.query(f"SELECT {select} FROM events {where} ORDER BY seq"), bar
     finally:
         bar.close()
 
@@ -143,35 +114,24 @@ def _collector_off():
 
 
 @contextlib.contextmanager
-def _stopped(src, where):
+def _stopped(src: JournalReader, where: Callable[[], int]) -> Iterator[None]:
     """SQLite's errors in a pass as JournalErrors; `where()`: the last seq it read."""
     try:
         yield
     except sqlite3.Error as e:
-        raise _unreadable(src, e, where()) from e
-
-
-def _decode(src, row: tuple) -> ev.Event:
-    try:
-        return ev.from_row(*row)
-    except Exception as e:  # an unknown kind or a bad payload is the journal's fault
-        raise JournalError(f"journal {src.path}: undecodable {row[4]!r} event at seq "
-                           f"{row[0]}: {e}") from e
-
-
-def _unknown(src, seq: int, kind: str) -> JournalError:
-    return JournalError(f"journal {src.path}: undecodable {kind!r} event at seq {seq}: "
-                        f"unknown event kind {kind!r}")
+        raise src.failure(e, where()) from e
 
 
 # --- replay ----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Overview:
-    """What SQLite alone tells of a journal, in one scan: events per kind, the first event of
-    an unknown kind, the first payload that is not JSON among the kinds a pass does not
-    decode itself, the first gap in seq (the seq after it, and the seq before it)."""
+    """What SQLite alone tells of a journal, in one scan: how many events, events per kind,
+    the first event of an unknown kind, the first payload that is not JSON among the kinds a
+    pass does not decode itself, the first gap in seq (the seq after it, and the seq before
+    it)."""
 
+    events: int
     counts: dict[str, int]
     first_seq: int
     unknown: tuple[int, str] | None
@@ -184,23 +144,20 @@ class Overview:
         if self.gap is not None:
             out.append((self.gap[0], 0, InvariantViolation(
                 4, self.gap[0], f"seq gap after {self.gap[1]}")))
-        for found, what in ((self.unknown, "unknown event kind"),
-                            (self.not_json, "payload is not JSON")):
-            if found is not None:
-                out.append((found[0], 1, UnreadableEvent(
-                    f"journal {path}: undecodable {found[1]!r} event at seq {found[0]}: "
-                    + (f"{what} {found[1]!r}" if found is self.unknown else what), found[0])))
+        if self.unknown is not None:
+            out.append((self.unknown[0], 1, UnreadableEvent.unknown_kind(path, *self.unknown)))
+        if self.not_json is not None:
+            out.append((self.not_json[0], 1, UnreadableEvent(path, *self.not_json, NOT_JSON)))
         return out
 
 
-def overview(src, decoded, counted=()) -> Overview:
-    """The Overview, in one scan without sorting. `decoded`: the kinds whose payloads the
-    caller parses itself; `counted`: the kinds to count. Run on a thread of its own (SQLite
-    works without Python's lock while it scans) beside a pass."""
-    conn = sqlite3.connect(src.conn_uri, uri=True)
-    try:
+def overview(src: JournalReader, decoded, counted=()) -> Overview:
+    """The Overview, in one scan without sorting, on a connection of its own. `decoded`: the
+    kinds whose payloads the caller parses itself; `counted`: the kinds to count. Run on a
+    thread of its own (SQLite works without Python's lock while it scans) beside a pass."""
+    with src.reopen() as own:
         counts = "".join(f", sum(kind = '{k}')" for k in counted)
-        row = conn.execute(
+        row = own.query(
             "SELECT count(*), min(seq), max(seq), min(CASE WHEN kind NOT IN "
             f"({_quoted(ev.EVENT_TYPES)}) THEN seq END), min(CASE WHEN kind NOT IN "
             f"({_quoted(decoded)}) AND NOT json_valid(data) THEN seq END){counts} "
@@ -208,21 +165,19 @@ def overview(src, decoded, counted=()) -> Overview:
         n, lo, hi, unknown, not_json = row[:5]
 
         def named(seq: int | None) -> tuple[int, str] | None:
-            return None if seq is None else (seq, conn.execute(
+            return None if seq is None else (seq, own.query(
                 "SELECT kind FROM events WHERE seq = ?", (seq,)).fetchone()[0])
         gap = None
         if n and hi - lo + 1 != n:
-            missing = conn.execute(
+            missing = own.query(
                 "SELECT e.seq + 1 FROM events e WHERE e.seq < ? AND NOT EXISTS (SELECT 1 "
                 "FROM events f WHERE f.seq = e.seq + 1) ORDER BY e.seq LIMIT 1",
                 (hi,)).fetchone()[0]
-            after = conn.execute("SELECT min(seq) FROM events WHERE seq > ?",
-                                 (missing,)).fetchone()[0]
+            after = own.query("SELECT min(seq) FROM events WHERE seq > ?",
+                              (missing,)).fetchone()[0]
             gap = (after, missing - 1)
-        return Overview(dict(zip(counted, (c or 0 for c in row[5:]), strict=True)), lo or 0,
-                        named(unknown), named(not_json), gap)
-    finally:
-        conn.close()
+        return Overview(n, dict(zip(counted, (c or 0 for c in row[5:]), strict=True)),
+                        lo or 0, named(unknown), named(not_json), gap)
 
 
 class _Beside(threading.Thread):
@@ -253,7 +208,7 @@ _REPLAY_WHERE = f"WHERE kind IN ({_quoted(_REPLAYED)})"
 
 
 @_collector_off()
-def replay_summary(src) -> dict:
+def replay_summary(src: JournalReader) -> dict:
     """The fold over the kinds it reads, and counts of what happened; the counts of the
     others, unknown kinds, payloads that are not JSON and gaps in seq come from SQLite,
     scanning beside it. InvariantViolation or JournalError at the first problem, where the
@@ -265,14 +220,14 @@ def replay_summary(src) -> dict:
     carried = (0, 0)
     stopped: tuple[int, int, Exception] | None = None
     try:
-        with _reading(src, _REPLAY_SELECT, _REPLAY_WHERE, progress=True) as (rows, bar), \
+        with _reading(src, _REPLAY_SELECT, _REPLAY_WHERE, src.count()) as (rows, bar), \
                 _stopped(src, lambda: seq):
             for row in rows:
                 seq, kind = row[0], row[4]
                 if seq - ticked > _MASK:
                     bar.update(seq - ticked)
                     ticked = seq
-                e = _decode(src, row)
+                e = src.decode(row)
                 if kind == "StoreSnapshotted" and store.applied_seq == 0:
                     carried = (seq, len(e.requests))
                 store.apply(e)
@@ -288,13 +243,15 @@ def replay_summary(src) -> dict:
                     refused[e.reason] += 1
                 elif kind in ("EndpointEvicted", "EndpointLost"):
                     (evicted if kind == "EndpointEvicted" else lost)[e.reason] += 1
-    except (InvariantViolation, JournalError) as v:
-        stopped = (getattr(v, "seq", seq), 1, v)
+    except (InvariantViolation, UnreadableEvent) as v:
+        stopped = (v.seq, 1, v)
+    except JournalError as v:  # not at one event: SQLite stopped the pass after `seq`
+        stopped = (seq, 1, v)
     seen = beside.result()
     problems = seen.problems(src.path) + ([stopped] if stopped else [])
     if problems:
         raise min(problems, key=lambda p: p[:2])[2]
-    last = seen.first_seq + src.count - 1
+    last = seen.first_seq + seen.events - 1
     if last > store.applied_seq:
         store.advance(last)  # the events after the last one it folded
     queued = seen.counts.get("RequestQueued", 0)
@@ -304,7 +261,7 @@ def replay_summary(src) -> dict:
     outcomes = +outcomes
     outcomes["open"] = queued - sum(outcomes.values())
     held = Counter(s.facts.kind for s in store.endpoints.values())
-    return {"events": src.count, "requests": queued, "outcomes": dict(outcomes),
+    return {"events": seen.events, "requests": queued, "outcomes": dict(outcomes),
             "plans": dict(plans), "published": dict(published), "refused": dict(refused),
             "evicted": dict(evicted), "lost": dict(lost),
             "store": {"endpoints": len(store.endpoints), "by_kind": dict(held),
@@ -339,9 +296,10 @@ class _Problem:
 
     @classmethod
     def of(cls, stage: int, e: InvariantViolation | JournalError, seq: int) -> _Problem:
+        """The problem `e` met at `seq` (an unreadable event names its own)."""
         if isinstance(e, InvariantViolation):
             return cls(e.seq, stage, e.invariant, e.detail, e.request)
-        return cls(getattr(e, "seq", seq), 0, 0, str(e))
+        return cls(e.seq if isinstance(e, UnreadableEvent) else seq, 0, 0, str(e))
 
 
 # the store's kinds decoded (a request's queueing: its tenant alone), the others NULL
@@ -372,21 +330,23 @@ _REQUEST_SELECT = (
 _STORE_WHERE = f"WHERE kind IN ({_quoted(STORE_KINDS | LEAVING_KINDS)})"
 
 
-def _first(src) -> tuple[int, str]:
+def _first(src: JournalReader) -> tuple[int, str]:
     """The seq and kind of the journal's first event ((0, "") in an empty one)."""
-    row = src.conn.execute("SELECT seq, kind FROM events ORDER BY seq LIMIT 1").fetchone()
+    with src.errors("reading events"):
+        row = src.query("SELECT seq, kind FROM events ORDER BY seq LIMIT 1").fetchone()
     return row or (0, "")
 
 
-def _store_pass(src, stop, progress: bool) -> tuple[_Problem | None, StoreChecks]:
+def _store_pass(src: JournalReader, stop, total: int) -> tuple[_Problem | None, StoreChecks]:
     """StoreChecks over the store's kinds and those that free a lane (gaps are the request
-    pass's to find); `stop()`: a seq past which nothing matters any more."""
+    pass's to find); `stop()`: a seq past which nothing matters any more; `total`: events,
+    for the progress bar."""
     checks = StoreChecks(contiguous=False)
     first = _first(src)[0]
     view = PayloadView.of
     stage = seq = ticked = 0
     try:
-        with _reading(src, _STORE_SELECT, _STORE_WHERE, progress=progress) as (rows, bar), \
+        with _reading(src, _STORE_SELECT, _STORE_WHERE, total) as (rows, bar), \
                 _stopped(src, lambda: seq):
             for row in rows:
                 seq, request, kind, data = row[0], row[2], row[4], row[5]
@@ -403,7 +363,7 @@ def _store_pass(src, stop, progress: bool) -> tuple[_Problem | None, StoreChecks
                     e = view({"seq": seq, "request": request, "conversation": row[3],
                               "tenant": data})
                 else:
-                    e = _decode(src, row)
+                    e = src.decode(row)
                     if kind == "StoreSnapshotted" and seq == first:
                         checks.resume(e)
                 stage = 1
@@ -418,7 +378,7 @@ def _store_pass(src, stop, progress: bool) -> tuple[_Problem | None, StoreChecks
     return None, checks
 
 
-def _request_pass(src, stop) -> tuple[_Problem | None, int]:
+def _request_pass(src: JournalReader, stop) -> tuple[_Problem | None, int]:
     """RequestChecks over every request's events, and over every event the things only a
     whole scan finds: a gap in seq (invariant 4) and a kind no one knows. (The first
     problem, requests seen.)"""
@@ -431,15 +391,15 @@ def _request_pass(src, stop) -> tuple[_Problem | None, int]:
         with _reading(src, _REQUEST_SELECT) as (rows, _), _stopped(src, lambda: seq):
             for seq, request, kind, data, conversation, x, y in rows:
                 if kind not in known:
-                    raise _unknown(src, seq, kind)
+                    raise UnreadableEvent.unknown_kind(src.path, seq, kind)
                 if seq != last + 1 and (last or kind != "StoreSnapshotted"):
                     # (only a rotated file, opening with its snapshot, starts later)
                     return _Problem(seq, 1, 4, f"seq gap or repeat after {last}"), \
                         len(checks.requests)
                 if not last and kind == "StoreSnapshotted":  # carry on from what it says
-                    row = src.conn.execute(f"SELECT {_COLUMNS} FROM events WHERE seq = ?",
-                                           (seq,)).fetchone()
-                    checks.resume(_decode(src, row))
+                    row = src.query(f"SELECT {COLUMNS} FROM events WHERE seq = ?",
+                                    (seq,)).fetchone()
+                    checks.resume(src.decode(row))
                 last = seq
                 if not seq & _MASK and seq > stop():
                     break
@@ -458,12 +418,11 @@ def _request_pass(src, stop) -> tuple[_Problem | None, int]:
                         else:
                             finished(open_(kind, seq, request), seq, request, x)
                     except TypeError as e:
-                        raise JournalError(f"journal {src.path}: undecodable {kind!r} event "
-                                           f"at seq {seq}: {e}") from e
+                        raise UnreadableEvent(src.path, seq, kind, e) from e
                     continue
                 if kind in _EXTRACTED:  # the long way: its payload (the whole of it)
-                    data = src.conn.execute("SELECT data FROM events WHERE seq = ?",
-                                            (seq,)).fetchone()[0]
+                    data = src.query("SELECT data FROM events WHERE seq = ?",
+                                     (seq,)).fetchone()[0]
                 if data is None:
                     p = {}
                 else:
@@ -472,8 +431,8 @@ def _request_pass(src, stop) -> tuple[_Problem | None, int]:
                     except (StopIteration, ValueError):
                         p, end = None, 0
                     if end != len(data) or type(p) is not dict:
-                        raise JournalError(f"journal {src.path}: undecodable {kind!r} event "
-                                           f"at seq {seq}: payload is not one JSON object")
+                        raise UnreadableEvent(src.path, seq, kind,
+                                              "payload is not one JSON object")
                 p["seq"], p["request"], p["conversation"] = seq, request, conversation
                 view = new(View)
                 view.__dict__ = p
@@ -481,20 +440,20 @@ def _request_pass(src, stop) -> tuple[_Problem | None, int]:
                     checks.feed(view, kind)
                 except (TypeError, AttributeError) as e:
                     why = f"payload lacks {e.name!r}" if isinstance(e, AttributeError) else e
-                    raise JournalError(f"journal {src.path}: undecodable {kind!r} event at "
-                                       f"seq {seq}: {why}") from e
+                    raise UnreadableEvent(src.path, seq, kind, why) from e
     except (InvariantViolation, JournalError) as v:
         return _Problem.of(2, v, seq), len(checks.requests)
     return None, len(checks.requests)
 
 
-def _request_child(path: str, limit, out) -> None:
-    """The request checks in a process of their own, on their own connection."""
-    from .journal import Source  # the parent's connection is not shared across the fork
+def _request_child(src: JournalReader, limit, out) -> None:
+    """The request checks in a process of their own, on their own connection (the parent's
+    is not shared across the fork)."""
     try:
-        result = _request_pass(Source(path), lambda: limit.value)
+        with src.reopen() as own:
+            result = _request_pass(own, lambda: limit.value)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which re-raises
-        result = (_Problem(0, 0, 0, f"journal {path}: request checks: {e}"), 0)
+        result = (_Problem(0, 0, 0, f"journal {src.path}: request checks: {e}"), 0)
     out.send(result)
     out.close()
 
@@ -506,11 +465,11 @@ class _RequestProcess:
 
     never = 1 << 62
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, src: JournalReader) -> None:
         ctx = multiprocessing.get_context("fork")
         self.limit = ctx.Value("q", self.never, lock=False)
         self.pipe, send = ctx.Pipe(duplex=False)
-        self.child = ctx.Process(target=_request_child, args=(path, self.limit, send),
+        self.child = ctx.Process(target=_request_child, args=(src, self.limit, send),
                                  daemon=True)
         self.child.start()
         send.close()
@@ -543,18 +502,19 @@ class _RequestProcess:
 
 
 @_collector_off()
-def check(src, parallel: bool | None = None
+def check(src: JournalReader, parallel: bool | None = None
           ) -> tuple[CheckResult, InvariantViolation | JournalError | None]:
     """Every journal-checkable invariant; the first problem (a violation, or an event that
     cannot be read: what was verified before it stands) or None. `parallel`: the request
     checks in a second process (default: for journals of PARALLEL_MIN events or more,
     where fork is safe)."""
     never = _RequestProcess.never
+    count = src.count()
     if parallel is None:  # (a fork beside other threads could copy a lock one of them holds)
-        parallel = src.count >= PARALLEL_MIN and _forkable()
+        parallel = count >= PARALLEL_MIN and _forkable()
     if parallel and "fork" in multiprocessing.get_all_start_methods():
-        other = _RequestProcess(src.path)
-        store_problem, checks = _store_pass(src, other.stop, progress=True)
+        other = _RequestProcess(src)
+        store_problem, checks = _store_pass(src, other.stop, count)
         try:
             request_problem, requests = other.collect(store_problem)
         except JournalError as e:
@@ -562,13 +522,14 @@ def check(src, parallel: bool | None = None
     else:
         request_problem, requests = _request_pass(src, lambda: never)
         store_problem, checks = _store_pass(
-            src, lambda: request_problem.seq if request_problem else never, progress=True)
+            src, lambda: request_problem.seq if request_problem else never, count)
     problems = [p for p in (store_problem, request_problem) if p is not None]
     if not problems:
-        return CheckResult(src.count, requests, _first(src)[0] + src.count - 1), None
+        return CheckResult(count, requests, _first(src)[0] + count - 1), None
     first = min(problems)
     if first.invariant == 0 and first.seq == 0:  # the other process failed outright
         raise JournalError(first.message)
-    before = src.conn.execute("SELECT COUNT(*), MAX(seq) FROM events WHERE seq < ?",
-                              (first.seq,)).fetchone()
+    with src.errors("counting events"):
+        before = src.query("SELECT COUNT(*), MAX(seq) FROM events WHERE seq < ?",
+                           (first.seq,)).fetchone()
     return CheckResult(before[0], requests, before[1] or 0), first.error()

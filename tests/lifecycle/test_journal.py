@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ninfer.lifecycle import journal as journal_module
+from ninfer.lifecycle import journalfile
 from ninfer.lifecycle.events import (
     CheckpointCaptured,
     EndpointPublished,
@@ -24,7 +25,8 @@ from ninfer.lifecycle.events import (
     with_envelope,
 )
 from ninfer.lifecycle.facts import CheckpointFacts, EndpointFacts, Mode
-from ninfer.lifecycle.journal import SCHEMA_VERSION, Journal, JournalError
+from ninfer.lifecycle.journal import Journal, JournalError
+from ninfer.lifecycle.journalfile import SCHEMA_VERSION
 
 CHECKPOINT = CheckpointFacts(
     id="k1", position=32, block_hashes=(11, 22), prefix_hash=22, attn_kv=32, recurrent_at=32,
@@ -209,7 +211,7 @@ def test_older_schema_is_migrated_in_order(tmp_path, monkeypatch):
         applied.append(2)
         db["notes"].create({"id": int, "text": str}, pk="id")
 
-    monkeypatch.setattr(journal_module, "SCHEMA_VERSION", 2)
+    monkeypatch.setattr(journalfile, "SCHEMA_VERSION", 2)
     monkeypatch.setitem(journal_module.MIGRATIONS, 2, v2)
     with Journal.open(tmp_path / "j.db") as j:
         assert j.meta["schema_version"] == 2 and "notes" in j.db.table_names()
@@ -268,7 +270,8 @@ def test_an_unknown_event_kind_names_its_seq(tmp_path):
         assert j.last_seq == 4
         stream = j.read()
         assert [next(stream) for _ in range(3)] == sample(1, 3)
-        with pytest.raises(JournalError, match="'FutureThingHappened' at seq 4"):
+        with pytest.raises(JournalError, match="undecodable 'FutureThingHappened' event at seq 4: "
+                                               "unknown event kind 'FutureThingHappened'"):
             next(stream)
 
 
@@ -387,7 +390,7 @@ def test_frames_left_from_an_earlier_wal_generation_are_not_a_torn_tail(tmp_path
     assert Path(f"{path}-wal").stat().st_size == size
     copy = copy_open_journal(path, tmp_path / "copy")
     j.close()
-    assert journal_module.scan_wal(Path(f"{copy}-wal"))[0] == 0
+    assert journalfile.scan_wal(Path(f"{copy}-wal")).torn_bytes == 0
     with caplog.at_level(logging.WARNING, logger="ninfer.journal"), Journal.open(copy) as j2:
         assert j2.torn_tail_bytes == 0 and j2.last_seq == 2001
     assert not caplog.records

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from ninfer.lifecycle.reader import JournalReader
 from ninfer.sim import run_simulation
-from ninfer.tools.journal import Source, check
+from ninfer.tools.scan import check
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 
@@ -25,11 +26,8 @@ def _run_of(path: Path) -> dict:
 @pytest.mark.parametrize("path", sorted(FIXTURES.glob("sim-*.db")), ids=lambda p: p.stem)
 def test_a_fixed_failure_stays_found_and_fixed(path, tmp_path):
     run = _run_of(path)
-    source = Source(str(path))
-    try:
+    with JournalReader.open(path) as source:
         _, violation = check(source)
-    finally:
-        source.conn.close()
     expected = run["journal_check"]
     found = None if violation is None else [violation.invariant, violation.seq]
     assert found == expected, "journal check no longer reports what it did"

@@ -20,9 +20,10 @@ import pytest
 from ninfer.cli import main
 from ninfer.engine.runner import ReuseMismatch
 from ninfer.lifecycle import salvage
+from ninfer.lifecycle.reader import JournalReader
 from ninfer.lifecycle.store import InvariantViolation
 from ninfer.sim import SimulationFailed, run_simulation
-from ninfer.tools.journal import Source, check
+from ninfer.tools.scan import check
 
 SEEDS = tuple(range(20))   # CI's fixed list
 STEPS = 400
@@ -116,7 +117,8 @@ def test_a_weakened_predicate_is_found(monkeypatch, tmp_path, weakened):
     assert "in the store" in str(failed.cause)  # the oracle: the spec predicate refuses it
     assert failed.journal == tmp_path / f"sim-{failed.seed}.db"
     monkeypatch.undo()  # the real predicate, as `ninfer journal check` runs it
-    _, violation = check(Source(str(failed.journal)))
+    with JournalReader.open(failed.journal) as source:
+        _, violation = check(source)
     assert violation is not None and violation.invariant == 1
 
 

@@ -12,6 +12,7 @@ import pytest
 from ninfer.engine.engine import EngineConfig
 from ninfer.lifecycle import events as ev
 from ninfer.lifecycle.journal import Journal
+from ninfer.lifecycle.reader import JournalReader
 from ninfer.sim.harness import Harness
 from ninfer.tools.journal import main
 
@@ -263,9 +264,8 @@ def test_a_newer_schema_is_refused_by_name(journal, tmp_path, capsys):
 
 
 def test_lean_reading_leaves_token_ids_out_and_nothing_else(journal):
-    from ninfer.tools.journal import Source
-    src = Source(journal)
-    full, lean = list(src.events()), list(src.events(lean=True))
+    with JournalReader.open(journal) as src:
+        full, lean = list(src.events()), list(src.events(lean=True))
     assert len(full) == len(lean)
     for a, b in zip(full, lean, strict=True):
         if a.kind == "RequestQueued":
@@ -277,3 +277,28 @@ def test_lean_reading_leaves_token_ids_out_and_nothing_else(journal):
             assert dataclasses.replace(fa, tokens=None) == fb
         else:
             assert a == b
+
+
+def test_a_torn_wal_tail_is_read_up_to_the_last_complete_transaction(journal, tmp_path,
+                                                                     capsys, caplog):
+    """As README says of the journal commands: a warning, then the complete transactions
+    (the files a killed server leaves: the database and its WAL, the second append in it
+    cut mid-write)."""
+    evs = events_of(journal)
+    path, killed = tmp_path / "j.db", tmp_path / "killed"
+    path.write_bytes(open(journal, "rb").read())
+    j = Journal.open(path)
+    j.db.execute("PRAGMA wal_autocheckpoint=0")  # the next two appends stay in the WAL
+    more = [dataclasses.replace(e, seq=len(evs) + 1 + i) for i, e in enumerate(evs[:2])]
+    j.append(more[:1])
+    committed = os.path.getsize(f"{path}-wal")
+    j.append(more[1:])
+    killed.mkdir()
+    for name in ("j.db", "j.db-wal"):
+        (killed / name).write_bytes((tmp_path / name).read_bytes())
+    j.close()
+    os.truncate(killed / "j.db-wal", committed + 100)
+    with caplog.at_level("WARNING", logger="ninfer.journal"):
+        rc, s = run_json(capsys, "stats", str(killed / "j.db"))
+    assert rc == 0 and s["events"] == len(evs) + 1
+    assert any("discarded 100 bytes" in r.getMessage() for r in caplog.records)

@@ -12,8 +12,8 @@ import pytest
 from ninfer.engine.engine import EngineConfig
 from ninfer.lifecycle import planner, salvage
 from ninfer.lifecycle.journal import Journal
+from ninfer.lifecycle.reader import JournalReader
 from ninfer.sim.harness import Harness
-from ninfer.tools.journal import Source
 from ninfer.tools.journal import main as journal_main
 from ninfer.tools.redrive import RedriveError, read_recording, redrive
 
@@ -74,12 +74,17 @@ def recorded(tmp_path_factory):
 
 
 def _redrive(path):
-    src = Source(str(path))
-    return redrive(src.events(), src.meta)
+    with JournalReader.open(path) as src:
+        return redrive(src.events(), src.meta)
+
+
+def _recording(path):
+    with JournalReader.open(path) as src:
+        return read_recording(src.events())
 
 
 def test_the_recording_holds_every_kind_of_input(recorded):
-    rec = read_recording(Source(str(recorded)).events())
+    rec = _recording(recorded)
     cuts = sorted(str(r.cut) for r in rec.requests.values() if r.cut is not None)
     assert len(cuts) == 3  # prefilling, active, queued
     assert any(r.stop_string_at for r in rec.requests.values())
@@ -100,7 +105,7 @@ def test_a_planner_that_never_reuses_shows_up_as_changed_plans(recorded, monkeyp
     monkeypatch.setattr(planner, "plan", lambda tokens, hashes, tenant, session, store, mode,
                         usable=None: real(tokens, hashes, tenant, session, type(store)(), mode))
     out = _redrive(recorded)
-    rec = read_recording(Source(str(recorded)).events())
+    rec = _recording(recorded)
     reused = {rid for rid, r in rec.requests.items()
               if r.decisions.plan and r.decisions.plan[0] != "Root"}
     changed = {d["request"] for d in out.differences if "plan" in d["fields"]}
@@ -147,7 +152,7 @@ def test_the_seeds_journal_redrives_clean():
     assert journal_main(["journal", "check", str(fixture)]) == 1
     out = _redrive(fixture)
     assert out.violations == [] and out.stalls == []
-    rec = read_recording(Source(str(fixture)).events())
+    rec = _recording(fixture)
     failed = [rid for rid, r in rec.requests.items() if r.decisions.outcome[0] == "RequestFailed"]
     assert len(failed) == 3
     by_request = {d["request"]: d for d in out.differences}

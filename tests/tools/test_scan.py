@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from ninfer.lifecycle import events as ev
 from ninfer.lifecycle.checks import JournalChecker
 from ninfer.lifecycle.journal import JournalError
+from ninfer.lifecycle.reader import JournalReader
 from ninfer.lifecycle.store import ContinuationStore, InvariantViolation
 from ninfer.sim import run_simulation
 from ninfer.tools import scan
-from ninfer.tools.journal import Source
 
 SEEDS = (3, 11)   # scenarios with cancels, preemptions and restarts
 
@@ -81,7 +81,8 @@ def reference_replay(path: Path) -> tuple[str, int | None, int | None]:
 
 def fast_replay(path: Path) -> tuple[str, int | None, int | None]:
     try:
-        scan.replay_summary(Source(str(path)))
+        with JournalReader.open(path) as src:
+            scan.replay_summary(src)
     except InvariantViolation as v:
         return "violation", v.invariant, v.seq
     except JournalError as v:
@@ -90,7 +91,8 @@ def fast_replay(path: Path) -> tuple[str, int | None, int | None]:
 
 
 def fast(path: Path, parallel: bool) -> tuple[str, int | None, int | None, int]:
-    done, v = scan.check(Source(str(path)), parallel=parallel)
+    with JournalReader.open(path) as src:
+        done, v = scan.check(src, parallel=parallel)
     if v is None:
         return "ok", None, None, done.events
     if isinstance(v, InvariantViolation):
@@ -163,7 +165,8 @@ def test_a_damaged_journal_gets_the_checkers_verdict(journals, tmp_path_factory,
 
 def test_replay_finds_the_fold_the_checker_finds(journals):
     for path in journals.values():
-        s = scan.replay_summary(Source(str(path)))
+        with JournalReader.open(path) as src:
+            s = scan.replay_summary(src)
         checker = JournalChecker().feed_all(_decoded(path))
         store = checker.store
         assert s["store"]["applied_seq"] == store.applied_seq == s["events"]
