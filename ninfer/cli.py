@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from .bench.agent import add_bench_parser as add_bench_agent_parser
 from .bench.serve import add_bench_parser as add_bench_serve_parser
 from .server.serve import add_serve_parser
 from .tools.journal import add_journal_parser
@@ -132,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                                help="runs of each timed pass; the best is reported (default 3)")
     journal_bench.set_defaults(func=_bench_journal)
     add_bench_serve_parser(bench_sub)
+    add_bench_agent_parser(bench_sub)
     return parser
 
 
