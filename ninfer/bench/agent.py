@@ -181,10 +181,10 @@ def computed_prompt_tokens(journal: Path, requests: Collection[str]) -> dict[str
     """Prompt positions each of `requests` prefilled, from the journal: over every start
     (a preempted request starts again), its last PrefillAdvanced cursor past the start's
     RequestStarted.reuse_base."""
-    from ..lifecycle.journal import Journal
+    from ..lifecycle.reader import JournalReader
     computed = dict.fromkeys(requests, 0)
     cursor: dict[str, int] = {}
-    with Journal.open(journal) as j:
+    with JournalReader.open(journal) as j:
         for event in j.read(kinds=("RequestStarted", "PrefillAdvanced")):
             if event.request not in computed:
                 continue
