@@ -41,7 +41,8 @@ def recover(engine: Engine) -> None:
                              "draft_tokens": config.draft_tokens,
                              "block_size": engine.blocks.block_size,
                              "auto_anchors": config.auto_anchors,
-                             "max_context": config.max_context})
+                             "max_context": config.max_context,
+                             "detach_prefills": config.detach_prefills})
     for tenant, session in engine.store.sessions():  # a restart may have lowered the bound
         engine.exits.evict_within_session(tenant, session)
 

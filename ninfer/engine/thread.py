@@ -131,11 +131,12 @@ class EngineThread:
             return
         with self._lock:
             handle = self._handles.get(event.request)
-            if handle is not None and event.kind in ev.TERMINAL_KINDS:
+            if handle is not None and event.kind in ev.CLIENT_END_KINDS:
                 del self._handles[event.request]
         if handle is None:
             return
-        if event.kind == "RequestCancelled" and handle.cancel_asked is not None:
+        if event.kind in ("RequestCancelled", "PrefillDetached") \
+                and handle.cancel_asked is not None:
             handle.cancel_latency = time.monotonic() - handle.cancel_asked
             handle.cancel_steps = self.engine.steps - (handle.cancel_step or 0)
             self._record_cancel(handle.cancel_latency, handle.cancel_steps)
@@ -143,14 +144,14 @@ class EngineThread:
 
     def _deliver(self, handle: Handle, event: ev.Event) -> None:
         handle.events.put(event)
-        if event.kind in ev.TERMINAL_KINDS:
+        if event.kind in ev.CLIENT_END_KINDS:
             handle.outcome = event
         if handle.on_event is not None:
             try:
                 handle.on_event(event)
             except Exception:  # a consumer's bug must not stop the engine
                 log.exception("event consumer of %s failed", handle.id)
-        if event.kind in ev.TERMINAL_KINDS:
+        if event.kind in ev.CLIENT_END_KINDS:
             handle.done.set()
 
     def _record_cancel(self, seconds: float, steps: int) -> None:

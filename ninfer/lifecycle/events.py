@@ -237,6 +237,9 @@ class StoreSnapshotted(Event):
 
 
 TERMINAL_KINDS = frozenset({"RequestFinished", "RequestCancelled", "RequestFailed"})
+# after these a request has nothing more for its client: its terminal event, or the moment a
+# cut prefill was detached (its work goes on, for the retry, with no one waiting for it)
+CLIENT_END_KINDS = TERMINAL_KINDS | {"PrefillDetached"}
 
 
 # --- JSON codec ---------------------------------------------------------------------------

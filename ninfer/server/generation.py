@@ -135,7 +135,7 @@ class Generation:
                 self.cancel("timeout")
                 while self.terminal is None:
                     out += self.absorb(await self.queue.get())
-                if isinstance(self.terminal, ev.RequestCancelled):
+                if self.cancelled:
                     self.report()
                     raise ApiError(503, "the request waited too long for a free lane",
                                    code="pending_timeout", retry_after=2)
@@ -172,7 +172,7 @@ class Generation:
             return self._parse(text)
         elif isinstance(event, ev.StopReached):
             self.stop_reason, self.phase = event.reason, "finishing"
-        elif event.kind in ev.TERMINAL_KINDS:
+        elif event.kind in ev.CLIENT_END_KINDS:
             self._unpend()
             self.terminal, self.phase = event, "done"
             self._remember()
@@ -226,6 +226,12 @@ class Generation:
     # --- results ------------------------------------------------------------------------
 
     @property
+    def cancelled(self) -> bool:
+        """Ended for the client by a cancel: cancelled, or its prefill detached (going on
+        without it, for a retry)."""
+        return isinstance(self.terminal, ev.RequestCancelled | ev.PrefillDetached)
+
+    @property
     def succeeded(self) -> bool:
         return isinstance(self.terminal, ev.RequestFinished) or (
             isinstance(self.terminal, ev.RequestCancelled) and self.cancel_reason == "stop_string")
@@ -242,7 +248,7 @@ class Generation:
     def outcome(self) -> str:
         if self.succeeded:
             return self.finish_reason
-        if isinstance(self.terminal, ev.RequestCancelled):
+        if self.cancelled:
             return {"disconnect": "cancelled", "timeout": "timeout"}.get(self.cancel_reason or "",
                                                                          "cancelled")
         return "failed"

@@ -90,6 +90,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="private endpoints one session key keeps, one per branch (an agent's "
                         "main loop, its sub-agents and side calls share a key); past N the "
                         "least recently used goes")
+    p.add_argument("--detach-prefills", action=argparse.BooleanOptionalAction, default=True,
+                   help="a prefill its client cuts (agents cancel and resend) is cancelled for "
+                        "the client at once but goes on, detached, while no other request "
+                        "waits for its lane, and publishes its state at the end of the prompt; "
+                        "a resend of the same prompt (or one that extends it) takes it over in "
+                        "place (--no-detach-prefills: a cut prefill stops within one step)")
     p.add_argument("--auto-long-anchors", type=int, default=2, metavar="N",
                    help="private anchors at up to N of the last message boundaries of every "
                         "prompt, so a client that rewrites recent history resumes from the "
@@ -192,7 +198,8 @@ def load(args: argparse.Namespace) -> Loaded:
                           endpoints_per_session=args.endpoints_per_session,
                           max_context=min(args.max_context, args.kv_capacity),
                           auto_anchors=max(args.auto_long_anchors, 0), keep_finished=False,
-                          journal_tokens=args.journal_content == "tokens")
+                          journal_tokens=args.journal_content == "tokens",
+                          detach_prefills=args.detach_prefills)
     path = Path(args.journal) if args.journal else default_journal()
     path.parent.mkdir(parents=True, exist_ok=True)
     journal = Journal.open(path, identity={"model": om.model.identity, "model_name": om.name,

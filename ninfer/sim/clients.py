@@ -174,7 +174,7 @@ class Clients:
             return
         if isinstance(e, ev.TokensCommitted):
             c.outputs.extend(e.tokens)
-        if e.kind in ev.TERMINAL_KINDS:
+        if e.kind in ev.CLIENT_END_KINDS:
             del self.by_request[e.request]
             c.request = None
             if isinstance(e, ev.RequestFinished):

@@ -113,8 +113,9 @@ def stats(src: JournalReader) -> dict:
     count = src.count()
     first = last = None
     queued_at, prompt, outputs, ttft, ratios = {}, {}, Counter(), {}, []
-    drafted = accepted = committed = requests = 0
-    cancels = Counter()
+    drafted = accepted = committed = requests = computed = 0
+    cancels, cuts = Counter(), Counter()
+    frontier: dict[str, int] = {}   # each request's prefill cursor, to count computed tokens
     for e in _progress(src.events(lean=True), count):
         first = e.time if first is None else first
         last, k = e.time, e.kind
@@ -127,6 +128,12 @@ def stats(src: JournalReader) -> dict:
                 outputs[rid] += r["outputs"] if rid not in queued_at else 0
         elif k == "RequestStarted":
             ratios.append(e.reuse_base / (prompt[e.request] + outputs[e.request]))
+            frontier[e.request] = e.reuse_base
+        elif k == "PrefillAdvanced":
+            computed += e.cursor - frontier.get(e.request, e.cursor)
+            frontier[e.request] = e.cursor
+        elif k in ("PrefillDetached", "PrefillAdopted"):
+            cuts[k.removeprefix("Prefill").lower()] += 1
         elif k == "TokensCommitted":
             drafted, accepted = drafted + e.drafted, accepted + e.accepted
             committed += e.committed
@@ -145,7 +152,9 @@ def stats(src: JournalReader) -> dict:
             "drafted": drafted, "accepted": accepted,
             "acceptance": accepted / drafted if drafted else None,
             "ttft_median_s": _quantile(lat, 0.5), "ttft_p90_s": _quantile(lat, 0.9),
-            "cancellations": dict(cancels)}
+            "cancellations": dict(cancels),
+            "prefill_tokens_computed": computed,
+            "cut_prefills": dict(cuts)}
 
 
 # --- the commands ---------------------------------------------------------------------------
@@ -231,7 +240,7 @@ def _stats(args: argparse.Namespace, src: JournalReader) -> int:
         return _dump(s)
     for k, v in s.items():
         shown = f"{v:.4g}" if isinstance(v, float) else ("-" if v is None else v)
-        print(f"{k:<18} {shown}")
+        print(f"{k:<23} {shown}")
     return 0
 
 
@@ -346,7 +355,7 @@ def add_journal_parser(subparsers) -> argparse.ArgumentParser:
          "at the first violation with its invariant, seq, request and the events before it"),
         ("show", _show, "a timeline of one request or conversation, one line per event"),
         ("stats", _stats, "rates, reuse ratio, speculative acceptance, time to first token, "
-         "cancellations by state"),
+         "cancellations by state, prompt tokens prefilled, cut prefills detached and adopted"),
         ("export", _export, "one JSON object per event (seq, time, request, conversation, kind, "
          "data)"),
         ("redrive", _redrive, "re-run the recorded requests (arrivals, cuts, stop strings, "

@@ -38,7 +38,8 @@ from ..lifecycle.store import InvariantViolation
 from ..model.pools import BlockPool, SlotPool
 
 ENDED = (4, 0)
-STATE_RANK = {"Queued": 0, "Prefilling": 1, "Active": 2, "Finishable": 3}
+# a detached prefill goes on prefilling (its cursor is its progress), with no client
+STATE_RANK = {"Queued": 0, "Prefilling": 1, "Detached": 1, "Active": 2, "Finishable": 3}
 # evictions the engine makes itself (a redriven engine makes them again), not an operator's
 ENGINE_EVICTIONS = ("capacity", "memory", SUPERSEDED, SESSION_BOUND)
 COMPARED = ("plan", "published", "refused", "outcome", "outputs")
@@ -137,6 +138,8 @@ class _Follower:
             self.cursor[rid] = e.cursor
         elif k == "PrefillCompleted":
             self.state[rid] = "Active"
+        elif k == "PrefillDetached":
+            self.state[rid] = "Detached"
         elif k == "TokensCommitted":
             d.outputs += e.committed
         elif k == "StopReached":
@@ -199,7 +202,10 @@ def read_recording(events: Iterable[ev.Event], meta: dict | None = None) -> Reco
                 r.outputs.extend(e.tokens or ())
             elif isinstance(e, ev.StopReached) and e.reason == "stop_string":
                 r.stop_string_at = len(r.outputs)
-            elif isinstance(e, ev.RequestCancelled):
+            elif isinstance(e, ev.PrefillDetached):  # the client's cut; its end comes later
+                r.cut = max(_progress("Prefilling", e.cursor, len(r.outputs)),
+                            follow.progress.get(e.request, (0, 0)))
+            elif isinstance(e, ev.RequestCancelled) and e.at_state != "Detached":
                 # where it had come to: a request preempted back to the queue and cut
                 # there was cut after it had run that far
                 r.cut = max(_progress(e.at_state, follow.cursor.get(e.request, 0),
@@ -265,7 +271,8 @@ def _config(started: ev.ServerStarted) -> EngineConfig:
         # a journal from before a key held several endpoints kept one, replaced: bound 1
         endpoints_per_session=started.endpoints_per_session or 1,
         draft_tokens=o.get("draft_tokens", 3), auto_anchors=o.get("auto_anchors", 2),
-        max_context=o.get("max_context", 8192), keep_finished=True)
+        max_context=o.get("max_context", 8192), keep_finished=True,
+        detach_prefills=o.get("detach_prefills", False))
 
 
 class Redrive:

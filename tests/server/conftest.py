@@ -45,14 +45,22 @@ class Running:
                               "ORDER BY seq", (request_id,)).fetchall()
         return [(k, json.loads(d), t) for k, d, t in rows]
 
-    def wait_terminal(self, request_id: str, timeout: float = 10.0):
+    def wait_terminal(self, request_id: str, timeout: float = 10.0,
+                      kinds=("RequestFinished", "RequestCancelled", "RequestFailed")):
+        """The first of `kinds` journaled for the request (its terminal event by default)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for kind, data, t in self.events(request_id):
-                if kind in ("RequestFinished", "RequestCancelled", "RequestFailed"):
+                if kind in kinds:
                     return kind, data, t
             time.sleep(0.01)
         raise AssertionError(f"{request_id} did not end within {timeout} s")
+
+    def wait_told(self, request_id: str, timeout: float = 10.0):
+        """The event that ended the request for its client: its terminal one, or the
+        detaching of its cut prefill."""
+        return self.wait_terminal(request_id, timeout, (
+            "RequestFinished", "RequestCancelled", "RequestFailed", "PrefillDetached"))
 
     def started(self, request_id: str) -> dict:
         return [d for k, d, _ in self.events(request_id) if k == "RequestStarted"][-1]

@@ -1,7 +1,8 @@
 """Clients that go away: raw HTTP cut by the client in each phase (queued, prefilling,
 decoding under MTP speculative rounds, after the last token; streaming and not). The engine
-cancels within one step, the request is journaled as cancelled, and the conversation's next
-request succeeds and reuses what was committed. The seed's reproduction end to end."""
+cancels within one step (a cut prefill: detaches it, the server's default, and it goes on
+for the retry), the request is journaled as cancelled, and the conversation's next request
+succeeds and reuses what was committed. The seed's reproduction end to end."""
 
 from __future__ import annotations
 
@@ -64,7 +65,15 @@ class RawClient:
 
 
 def cancelled(live, request_id: str, at_state: str, closed_at: float) -> float:
-    kind, data, when = live.wait_terminal(request_id)
+    """Seconds from the cut to the event that told the client: RequestCancelled at
+    `at_state`, or, for a cut prefill, PrefillDetached (its RequestCancelled comes when the
+    detached prefill ends)."""
+    kind, data, when = live.wait_told(request_id)
+    if at_state == "Prefilling":
+        assert kind == "PrefillDetached", (kind, data)
+        kind, data, _ = live.wait_terminal(request_id, 30)
+        assert kind == "RequestCancelled" and data["at_state"] == "Detached", (kind, data)
+        return when - closed_at
     assert kind == "RequestCancelled", (kind, data)
     assert data["at_state"] == at_state
     return when - closed_at
@@ -120,10 +129,53 @@ def test_seed_reproduction_cut_mid_prefill_then_same_messages(live):
         recorded = cancels_recorded(live)
         client.cut()
         latency = cancelled(live, rid, "Prefilling", client.closed_at)
+        detached = [d for k, d, _ in live.events(rid) if k == "PrefillDetached"][0]
     assert steps_of_cancel(live, recorded) <= 1
     assert latency < 0.5
     after = next_turn(live, body, headers)
-    assert after["cached"] > 0 and after["plan"] in ("PrivateEndpoint", "PrivateAnchor")
+    # the detached prefill went on to the end of the prompt and published it there
+    assert after["plan"] == "PrivateEndpoint" and after["cached"] == detached["goal"]
+
+
+def test_a_resend_adopts_the_cut_prefill_in_place(live):
+    """An agent's cancel and resend: the cut prefill goes on detached, the resend takes it
+    over where it stands; no prompt token is computed twice; the answer is a Root run's."""
+    headers = {"X-Session-Id": "resend"}
+    body = {"model": "tiny-qwen3-next-v1", "stream": True, "max_tokens": 6, "temperature": 0,
+            "messages": [{"role": "user", "content": report(14) + " What changed?"}]}
+    with live.configured(step_delay=0.05):
+        client = RawClient(live.url, body, headers)
+        client.read_until(b"\r\n\r\n")
+        cut = client.request_id
+        deadline = time.monotonic() + 10
+        while sum(k == "PrefillAdvanced" for k, _, _ in live.events(cut)) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        client.cut()
+        live.wait_told(cut)
+        r = httpx.post(live.url + CHAT, json={**body, "stream": False}, headers=headers,
+                       timeout=60)
+    assert r.status_code == 200, r.text
+    retry = r.headers["x-request-id"]
+    started = live.started(retry)
+    adopted = [d for k, d, _ in live.events(cut) if k == "PrefillAdopted"]
+    assert started["plan"] == "Adopted" and started["adopted"] == cut
+    assert adopted == [{"by": retry, "cursor": started["reuse_base"]}]
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == started["reuse_base"] > 0
+    computed = sum(_prefilled(live, rid) for rid in (cut, retry))
+    assert computed == usage["prompt_tokens"]
+    again = httpx.post(live.url + CHAT, json={**body, "stream": False},
+                       headers={"X-Session-Id": "resend-plain"}, timeout=60)
+    assert again.json()["choices"][0]["message"] == r.json()["choices"][0]["message"]
+
+
+def _prefilled(live, rid: str) -> int:
+    """Prompt positions a request computed itself, from its journal events."""
+    events = live.events(rid)
+    base = [d["reuse_base"] for k, d, _ in events if k == "RequestStarted"][0]
+    cursors = [d["cursor"] for k, d, _ in events if k == "PrefillAdvanced"]
+    return (cursors[-1] if cursors else base) - base
 
 
 def test_cut_while_decoding_under_speculation_and_after_last_token(live):
@@ -173,7 +225,7 @@ def test_cut_while_queued_and_non_streaming_cut(live):
         plain.cut()
         rid = request_ids(live, "plain-cut")[-1]
         kind, data, _ = live.wait_terminal(rid)
-        assert kind == "RequestCancelled" and data["at_state"] in ("Queued", "Prefilling")
+        assert kind == "RequestCancelled" and data["at_state"] in ("Queued", "Detached")
     next_turn(live, body, {"X-Session-Id": "plain-cut"})
 
 

@@ -188,6 +188,12 @@ def test_stats_are_consistent_with_the_events(journal, capsys):
     assert s["ttft_median_s"] == pytest.approx(ttft) == s["ttft_p90_s"]
     assert s["cancellations"] == {"Prefilling": 1}
     assert s["tokens_committed"] == sum(len(e.tokens) for e in commits) == 6
+    def reached(rid):
+        return [e.cursor for e in evs if e.kind == "PrefillAdvanced" and e.request == rid][-1]
+
+    assert starts[0].reuse_base == 0  # each request prefilled from its start to its last cursor
+    assert s["prefill_tokens_computed"] == reached("r1") + reached("r2") - starts[1].reuse_base
+    assert s["cut_prefills"] == {}
     rc, out, _ = run(capsys, "stats", journal)
     assert rc == 0 and "acceptance" in out
 

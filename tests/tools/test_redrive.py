@@ -31,11 +31,13 @@ def _until(h, rid, predicate, limit=200):
     raise AssertionError(f"{rid} never got there")
 
 
-def record(path: Path, spec: str = "mtp", journal_tokens: bool = True) -> Harness:
+def record(path: Path, spec: str = "mtp", journal_tokens: bool = True,
+           detach: bool = False) -> Harness:
     """A session with every kind of outside input: turns, cuts in every state, a retry, a
-    stop string, an operator eviction, restarts keeping and losing tensors."""
+    stop string, an operator eviction, restarts keeping and losing tensors. `detach`: the
+    cut prefill goes on detached and its retry adopts it."""
     config = EngineConfig(spec=spec, prefill_chunk=8, max_concurrency=2, check_reuse=True,
-                          journal_tokens=journal_tokens)
+                          journal_tokens=journal_tokens, detach_prefills=detach)
     h = Harness(config, num_blocks=2000, num_slots=64, journal=Journal.open(path))
     one = h.submit(PROMPT, "s1", max_tokens=6, boundaries=(20,))
     h.run()
@@ -98,6 +100,17 @@ def test_todays_code_decides_as_recorded(recorded):
     assert out.violations == [] and out.stalls == []
     assert out.differences == [] and out.same
     assert out.compared == 8
+
+
+def test_detached_prefills_and_their_adoption_redrive_as_recorded(tmp_path):
+    path = tmp_path / "detached.db"
+    record(path, detach=True).journal.close()
+    with JournalReader.open(path) as src:
+        kinds = [e.kind for e in src.events()]
+    assert "PrefillDetached" in kinds and "PrefillAdopted" in kinds
+    out = _redrive(path)
+    assert out.violations == [] and out.stalls == []
+    assert out.differences == [] and out.same and out.compared == 8
 
 
 def test_a_planner_that_never_reuses_shows_up_as_changed_plans(recorded, monkeypatch):
