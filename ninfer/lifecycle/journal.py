@@ -1,4 +1,4 @@
-"""The journal: an append-only SQLite log of events, one row each (DESIGN.md "Journal and store").
+"""The journal: an append-only SQLite log of events, one row each (specs/events.md).
 
 Events arrive stamped with consecutive seqs (the engine assigns them); each `append` is one
 transaction; the database itself refuses updates and deletes of `events`. The checks on

@@ -1,10 +1,6 @@
 """The scheduler alone: plain bookkeeping over pools, store and requests, no model, no
 torch, microseconds a test. It decides; these tests check each decision."""
 
-import sys
-
-import pytest
-
 from ninfer.engine.scheduler import Evict, Fail, Preempt, Scheduler
 from ninfer.lifecycle import events as ev
 from ninfer.lifecycle.eventlog import EventLog
@@ -115,12 +111,3 @@ def test_capacity_and_memory_pressure_evict_in_one_order():
     s = _scheduler(feed=feed)
     assert s.over_capacity() == ["a", "c"] == s.store.by_recency()[:2]
     assert s.evictable() == Evict(s.over_capacity()[0])
-
-
-@pytest.mark.parametrize("module", ["ninfer.engine.scheduler"])
-def test_the_scheduler_needs_no_torch(module):
-    import subprocess
-    code = (f"import sys; import {module}; "
-            "bad = [m for m in ('torch', 'triton', 'numpy') if m in sys.modules]; "
-            "assert not bad, bad")
-    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,4 +1,5 @@
-"""Layer 2 of DESIGN.md's verification: the engine with SimModel under Hypothesis."""
+"""The second verification layer (specs/invariants.md): the engine with SimModel under
+Hypothesis."""
 
 from collections import Counter
 

@@ -56,8 +56,8 @@ def reference(tokens, max_tokens: int, net=None):
 
 
 def agree_until_tie(got, ref, gaps, tie=1e-9) -> bool:
-    """DESIGN.md's tie rule: equal up to the first position where the reference's top-2
-    logit gap is below `tie` (there arithmetic alone may decide)."""
+    """The tie rule (specs/invariants.md, "Exactness"): equal up to the first position where
+    the reference's top-2 logit gap is below `tie` (there arithmetic alone may decide)."""
     for i, (a, b) in enumerate(zip(got, ref, strict=False)):
         if gaps[i] < tie:
             return True

@@ -1,6 +1,6 @@
 """The engine on the torch model, in float64 on the CPU: reuse, drafting, chunking and batch
-composition change nothing (DESIGN.md's tie rule), and the lifecycle's state machine runs
-on it too."""
+composition change nothing (the tie rule, specs/invariants.md "Exactness"), and the
+lifecycle's state machine runs on it too."""
 
 import pytest
 from hypothesis import settings
