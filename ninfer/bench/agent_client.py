@@ -127,27 +127,26 @@ def _connection(url: str) -> tuple[http.client.HTTPConnection, str]:
 
 
 def get_json(url: str, path: str) -> dict:
-    conn, base = _connection(url)
-    try:
-        conn.request("GET", base + path)
-        resp = conn.getresponse()
-        data = resp.read()
-        if resp.status != 200:
-            raise BenchError(f"GET {path}: HTTP {resp.status}: {data[:300]!r}")
-        return json.loads(data)
-    finally:
-        conn.close()
+    return _json_call(url, "GET", path)
 
 
 def post_json(url: str, path: str, body: dict) -> dict:
+    return _json_call(url, "POST", path, body)
+
+
+def _json_call(url: str, method: str, path: str, body: dict | None = None) -> dict:
+    """One request; its JSON answer (BenchError unless HTTP 200)."""
     conn, base = _connection(url)
     try:
-        conn.request("POST", base + path, body=json.dumps(body).encode(),
-                     headers={"Content-Type": "application/json"})
+        if body is None:
+            conn.request(method, base + path)
+        else:
+            conn.request(method, base + path, body=json.dumps(body).encode(),
+                         headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
         data = resp.read()
         if resp.status != 200:
-            raise BenchError(f"POST {path}: HTTP {resp.status}: {data[:300]!r}")
+            raise BenchError(f"{method} {path}: HTTP {resp.status}: {data[:300]!r}")
         return json.loads(data)
     finally:
         conn.close()

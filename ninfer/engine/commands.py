@@ -1,8 +1,12 @@
 """What other threads hand the engine: the engine's configuration, and the commands it
-applies at its next step boundary (submit, cancel, stop), with a submit's validation."""
+applies at its next step boundary (submit, cancel, stop), with a submit's validation, in an
+inbox any thread may write to."""
 
 from __future__ import annotations
 
+import queue
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..lifecycle.request import SamplingParams
@@ -68,3 +72,48 @@ def problem(c: Submit, *, vocab_size: int, max_context: int) -> str | None:
     if not 0 <= c.shared_prefix <= len(c.prompt):
         return "shared_prefix must lie within the prompt"
     return None
+
+
+Command = Submit | Cancel | Stop
+
+
+class Inbox:
+    """Commands from any thread, taken by the engine thread at a step boundary. Request ids
+    are unique for the journal's whole life: recovery takes the ones it has seen."""
+
+    def __init__(self, *, vocab_size: int, max_context: int) -> None:
+        self.vocab_size, self.max_context = vocab_size, max_context
+        self._queue: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._ids: set[str] = set()
+        self._lock = threading.Lock()
+
+    def submit(self, command: Submit) -> None:
+        """Validate (ValueError says what is wrong) and enqueue."""
+        wrong = problem(command, vocab_size=self.vocab_size, max_context=self.max_context)
+        if wrong:
+            raise ValueError(wrong)
+        if not self.take_id(command.id):
+            raise ValueError(f"request id {command.id} is already in use")
+        self._queue.put(command)
+
+    def take_id(self, request_id: str) -> bool:
+        """Take a request id; False if it was taken."""
+        with self._lock:
+            if request_id in self._ids:
+                return False
+            self._ids.add(request_id)
+            return True
+
+    def put(self, command: Cancel | Stop) -> None:
+        self._queue.put(command)
+
+    def empty(self) -> bool:
+        return self._queue.empty()
+
+    def drain(self) -> Iterator[Command]:
+        """The commands enqueued so far, in order."""
+        while True:
+            try:
+                yield self._queue.get_nowait()
+            except queue.Empty:
+                return

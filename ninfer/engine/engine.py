@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
-import threading
 from collections import deque
 from collections.abc import Callable
 
@@ -23,13 +21,12 @@ from ..lifecycle import events as ev
 from ..lifecycle import machine, planner
 from ..lifecycle.eventlog import EventLog
 from ..lifecycle.facts import EndpointFacts, Mode
-from ..lifecycle.planner import Plan
 from ..lifecycle.request import Request
 from ..lifecycle.store import ContinuationStore
 from ..model.pools import BlockPool, OutOfMemory, SlotPool
 from ..model.protocol import MissingStatePart, Model
 from .choice import Choice, make_choice
-from .commands import Cancel, EngineConfig, Stop, Submit, problem
+from .commands import Cancel, EngineConfig, Inbox, Stop, Submit
 from .exits import Exits
 from .integrity import check_conservation
 from .live import Live
@@ -73,14 +70,12 @@ class Engine:
         self.exits = Exits(self.runner, self.mode, self.scheduler, self.log, live=self.live,
                            held=self.held, files=endpoint_files, checkpoint_id=self._next_cp,
                            facts=self._facts)
-        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.commands = Inbox(vocab_size=model.vocab_size, max_context=config.max_context)
         self.draft_hook: Callable[[Request], bool] | None = None
         # how a request's tokens are chosen; `journal redrive` forces the recorded ones
         self.choose: Callable[[Request], Choice] = lambda r: make_choice(r.params, r.outputs,
                                                                            r.prompt)
         self._cp_ids = itertools.count(1)
-        self._ids: set[str] = set()
-        self._ids_lock = threading.Lock()
         self.steps = 0
 
     @property
@@ -97,21 +92,11 @@ class Engine:
 
     def submit(self, command: Submit) -> None:
         """Validate (ValueError says what is wrong) and enqueue. Any thread."""
-        wrong = problem(command, vocab_size=self.model.vocab_size,
-                        max_context=self.config.max_context)
-        if wrong:
-            raise ValueError(wrong)
-        if not self.reserve_id(command.id):
-            raise ValueError(f"request id {command.id} is already in use")
-        self.commands.put(command)
+        self.commands.submit(command)
 
     def reserve_id(self, request_id: str) -> bool:
         """Take a request id; False if it was taken (ids are unique across restarts)."""
-        with self._ids_lock:
-            if request_id in self._ids:
-                return False
-            self._ids.add(request_id)
-            return True
+        return self.commands.take_id(request_id)
 
     def cancel(self, request_id: str) -> None:
         self.commands.put(Cancel(request_id))
@@ -164,11 +149,7 @@ class Engine:
         return not self.live and not self.waiting and self.commands.empty()
 
     def _drain_commands(self) -> None:
-        while True:
-            try:
-                command = self.commands.get_nowait()
-            except queue.Empty:
-                return
+        for command in self.commands.drain():
             if isinstance(command, Submit):
                 self._admit(command)
                 continue
@@ -227,16 +208,9 @@ class Engine:
 
     def _adopt(self, adopter: Request, detached: Live) -> None:
         """`adopter` takes over the detached prefill's lane and captures in place."""
-        old = detached.request
-        del self.live[old.id]
-        taken = machine.fire(old, "adopt", adopter=adopter)
-        assert taken, "the scheduler and the adopt guard apply one rule"
         self.scheduler.withdraw(adopter)
-        adopter.plan = Plan("Adopted", None, old.cursor, adopted=old.id)
-        adopter.cursor = old.cursor
-        self.live[adopter.id] = Live(adopter, detached.lane,
-                                     AdaptiveDraft(self.config.draft_tokens),
-                                     self.choose(adopter), captures=detached.captures)
+        self.live[adopter.id] = self.exits.adopt(
+            detached, adopter, AdaptiveDraft(self.config.draft_tokens), self.choose(adopter))
         machine.fire(adopter, "start")
 
     def _start(self, request: Request) -> bool:
@@ -359,12 +333,7 @@ class Engine:
         return held.facts(self.model, self.config.journal_tokens)
 
     def _reconcile(self) -> None:
-        """Release checkpoints the store no longer holds (superseded, evicted, lost)."""
-        wanted = self.store.checkpoint_ids()
-        for cp_id in [c for c in self.held if c not in wanted]:
-            self.runner.release_held(self.held.pop(cp_id))
-            if self.files is not None:
-                self.files.delete(cp_id)
+        self.exits.reconcile()
 
     def check_integrity(self) -> None:
         """Invariant 6, conservation: pool use equals what lanes and endpoints hold."""

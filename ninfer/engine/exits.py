@@ -1,4 +1,6 @@
-"""How a request leaves its lane: finish, cancel and preempt salvage, fail does not.
+"""How a request leaves its lane: finish, cancel and preempt salvage, fail does not, and a
+detached prefill hands its lane to its adopter. What leaves is released, or kept where the
+store holds it.
 
 Salvage is an explicit decision: the leaving request's frontier is handed over to a
 checkpoint, every candidate is judged by the one predicate (`salvage.decide`), and the
@@ -15,11 +17,14 @@ from ..lifecycle import conversation, machine, salvage
 from ..lifecycle import events as ev
 from ..lifecycle.eventlog import EventLog
 from ..lifecycle.facts import CheckpointFacts, EndpointFacts, Mode
+from ..lifecycle.planner import Plan
 from ..lifecycle.request import Request
 from ..lifecycle.salvage import Candidate
+from .choice import Choice
 from .live import Live
 from .runner import Held, Runner
 from .scheduler import Scheduler
+from .speculative import AdaptiveDraft
 
 
 class Exits:
@@ -102,6 +107,27 @@ class Exits:
         machine.fire(request, "fail", failure=failure, message=message)
         if live is not None:
             self.release(live)
+
+    def adopt(self, detached: Live, adopter: Request, drafting: AdaptiveDraft,
+              choice: Choice) -> Live:
+        """The detached prefill ends, adopted (nothing published: the lane goes on); the
+        adopter's lane, holding its storage and captures, planned at its cursor. The
+        adopter's `start` is the caller's to fire."""
+        old = detached.request
+        del self.live[old.id]
+        taken = machine.fire(old, "adopt", adopter=adopter)
+        assert taken, "the scheduler and the adopt guard apply one rule"
+        adopter.plan = Plan("Adopted", None, old.cursor, adopted=old.id)
+        adopter.cursor = old.cursor
+        return Live(adopter, detached.lane, drafting, choice, captures=detached.captures)
+
+    def reconcile(self) -> None:
+        """Release checkpoints the store no longer holds (superseded, evicted, lost)."""
+        wanted = self.scheduler.store.checkpoint_ids()
+        for cp_id in [c for c in self.held if c not in wanted]:
+            self.runner.release_held(self.held.pop(cp_id))
+            if self.files is not None:
+                self.files.delete(cp_id)
 
     def release(self, live: Live) -> None:
         """Give back a lane and its captures, publishing nothing."""
