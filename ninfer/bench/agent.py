@@ -185,7 +185,7 @@ def computed_prompt_tokens(journal: Path, requests: Collection[str]) -> dict[str
     computed = dict.fromkeys(requests, 0)
     cursor: dict[str, int] = {}
     with JournalReader.open(journal) as j:
-        for event in j.read(kinds=("RequestStarted", "PrefillAdvanced")):
+        for event in j.events(kinds=("RequestStarted", "PrefillAdvanced")):
             if event.request not in computed:
                 continue
             if event.kind == "RequestStarted":
