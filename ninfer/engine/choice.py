@@ -1,13 +1,17 @@
-"""Choosing tokens: greedily from a model's greedy tokens (no torch), or by sampling from
-its logits with the request's sampling parameters (ninfer.engine.sampling, torch)."""
+"""Choosing tokens: greedily from a model's greedy tokens (no torch), or from its logits
+with the request's sampling parameters, logit bias and grammar (ninfer.engine.sampling and
+ninfer.engine.constraint, torch)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..lifecycle.request import SamplingParams
 from .speculative import accept_greedy
+
+if TYPE_CHECKING:
+    from .grammar import Grammars
 
 
 class Choice(Protocol):
@@ -22,6 +26,14 @@ class Choice(Protocol):
                draft_probs: list[Any] | None) -> tuple[int, int]:
         """(drafts accepted, the verifier's next token)."""
 
+    def admit(self, drafts: Sequence[int]) -> int:
+        """How many of a round's drafts may be verified, in order (a grammar cuts them at
+        the first it refuses, before the verify)."""
+
+    def shaped(self, logits: Any, drafts: Sequence[int] = ()) -> Any:
+        """The logits as the choice sees them (logit bias added, a grammar's mask applied),
+        row i following the output and then drafts[:i]: what log-probabilities report."""
+
 
 class GreedyChoice:
     def draft(self, greedy: int, logits: Any, before: Sequence[int] = ()) -> tuple[int, Any]:
@@ -34,16 +46,31 @@ class GreedyChoice:
         accepted = accept_greedy(drafts, greedy)
         return accepted, greedy[accepted]
 
+    def admit(self, drafts: Sequence[int]) -> int:
+        return len(drafts)
+
+    def shaped(self, logits: Any, drafts: Sequence[int] = ()) -> Any:
+        return logits
+
 
 def needs_sampling(params: SamplingParams) -> bool:
     return params.temperature > 0 or params.penalised
 
 
-def make_choice(params: SamplingParams, history: list[int], prompt: Sequence[int] = ()
-                ) -> Choice:
-    """`history` is the request's output list (penalties read it as it grows); `prompt`
-    its prompt (the repetition penalty counts its tokens too)."""
-    if not needs_sampling(params):
+def make_choice(params: SamplingParams, history: list[int], prompt: Sequence[int] = (),
+                grammars: Grammars | None = None) -> Choice:
+    """`history` is the request's output list (penalties and the grammar read it as it
+    grows); `prompt` its prompt (the repetition penalty counts its tokens too); `grammars`
+    compiles the request's grammar (ninfer.engine.grammar)."""
+    if not needs_sampling(params) and not params.shaped:
         return GreedyChoice()
     from .sampling import SampledChoice
-    return SampledChoice(params, history, prompt)
+    constraint = None
+    if params.grammar is not None:
+        if grammars is None:
+            raise ValueError("this engine has no tokenizer to constrain an output with")
+        from .constraint import Constraint
+        constraint = Constraint(grammars.matcher(params.grammar), history,
+                                after=params.grammar_after, end_tokens=grammars.end_tokens,
+                                vocab_size=grammars.vocab_size)
+    return SampledChoice(params, history, prompt, constraint)

@@ -57,8 +57,10 @@ class Stop:
     reason: str = "stop_string"
 
 
-def problem(c: Submit, *, vocab_size: int, max_context: int) -> str | None:
-    """What is wrong with a submit, in words for the client, or None."""
+def problem(c: Submit, *, vocab_size: int, max_context: int,
+            end_tokens: tuple[int, ...] | None = None) -> str | None:
+    """What is wrong with a submit, in words for the client, or None. `end_tokens`: the
+    engine's grammars' (None: it constrains no output)."""
     if not c.prompt:
         return "prompt is empty"
     if any(not 0 <= t < vocab_size for t in c.prompt):
@@ -71,6 +73,14 @@ def problem(c: Submit, *, vocab_size: int, max_context: int) -> str | None:
         return "message boundaries must lie within the prompt"
     if not 0 <= c.shared_prefix <= len(c.prompt):
         return "shared_prefix must lie within the prompt"
+    if any(not 0 <= t < vocab_size for t, _ in c.params.logit_bias):
+        return f"logit_bias token ids must be in [0, {vocab_size})"
+    if c.params.grammar is not None:
+        if end_tokens is None:
+            return "this engine has no tokenizer to constrain an output with"
+        if not set(end_tokens) <= set(c.params.stop_tokens):
+            return "a constrained request stops at its grammar's end tokens: they must be " \
+                   "among its stop tokens"
     return None
 
 
@@ -81,15 +91,17 @@ class Inbox:
     """Commands from any thread, taken by the engine thread at a step boundary. Request ids
     are unique for the journal's whole life: recovery takes the ones it has seen."""
 
-    def __init__(self, *, vocab_size: int, max_context: int) -> None:
-        self.vocab_size, self.max_context = vocab_size, max_context
+    def __init__(self, *, vocab_size: int, max_context: int,
+                 end_tokens: tuple[int, ...] | None = None) -> None:
+        self.vocab_size, self.max_context, self.end_tokens = vocab_size, max_context, end_tokens
         self._queue: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._ids: set[str] = set()
         self._lock = threading.Lock()
 
     def submit(self, command: Submit) -> None:
         """Validate (ValueError says what is wrong) and enqueue."""
-        wrong = problem(command, vocab_size=self.vocab_size, max_context=self.max_context)
+        wrong = problem(command, vocab_size=self.vocab_size, max_context=self.max_context,
+                        end_tokens=self.end_tokens)
         if wrong:
             raise ValueError(wrong)
         if not self.take_id(command.id):

@@ -28,6 +28,7 @@ from ..model.protocol import MissingStatePart, Model
 from .choice import Choice, make_choice
 from .commands import Cancel, EngineConfig, Inbox, Stop, Submit
 from .exits import Exits
+from .grammar import ConstraintError, Grammars
 from .integrity import check_conservation
 from .live import Live
 from .prefill import Prefill
@@ -43,9 +44,12 @@ log = logging.getLogger("ninfer.engine")
 class Engine:
     def __init__(self, model: Model, config: EngineConfig, *, blocks: BlockPool,
                  slots: SlotPool, journal=None, held: dict[str, Held] | None = None,
-                 clock: Callable[[], float] | None = None, endpoint_files=None) -> None:
+                 clock: Callable[[], float] | None = None, endpoint_files=None,
+                 grammars: Grammars | None = None) -> None:
         """`endpoint_files`: an `EndpointFiles` (engine/durable.py) to write published
-        checkpoints to and restore them from at `recover`; None keeps them in memory only."""
+        checkpoints to and restore them from at `recover`; None keeps them in memory only.
+        `grammars`: compiles requests' grammars for the model's tokenizer (engine/grammar.py);
+        None refuses constrained requests."""
         self.model, self.config = model, config
         self.blocks, self.slots = blocks, slots
         self.mode = Mode(config.spec, model.identity, model.dtypes)
@@ -70,11 +74,13 @@ class Engine:
         self.exits = Exits(self.runner, self.mode, self.scheduler, self.log, live=self.live,
                            held=self.held, files=endpoint_files, checkpoint_id=self._next_cp,
                            facts=self._facts)
-        self.commands = Inbox(vocab_size=model.vocab_size, max_context=config.max_context)
+        self.grammars = grammars
+        self.commands = Inbox(vocab_size=model.vocab_size, max_context=config.max_context,
+                              end_tokens=grammars.end_tokens if grammars else None)
         self.draft_hook: Callable[[Request], bool] | None = None
         # how a request's tokens are chosen; `journal redrive` forces the recorded ones
-        self.choose: Callable[[Request], Choice] = lambda r: make_choice(r.params, r.outputs,
-                                                                           r.prompt)
+        self.choose: Callable[[Request], Choice] = lambda r: make_choice(
+            r.params, r.outputs, r.prompt, self.grammars)
         self._cp_ids = itertools.count(1)
         self.steps = 0
 
@@ -184,6 +190,9 @@ class Engine:
         except (MissingStatePart, KeyError, IndexError) as exc:
             log.error("request %s failed: %s", live.request.id, exc, exc_info=True)
             self.exits.fail(live.request, "internal", str(exc))
+        except ConstraintError as exc:  # the request's grammar, not the engine, is at fault
+            log.warning("request %s failed: %s", live.request.id, exc)
+            self.exits.fail(live.request, "invalid", str(exc))
 
     # --- scheduling and memory: the scheduler decides, the engine carries it out -------
 

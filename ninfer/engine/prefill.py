@@ -69,10 +69,11 @@ class Prefill:
         first = None
         if not request.outputs:  # a fresh request: end > start always (reuse < target)
             first = live.choice.next(greedy, logits)
+            reported = logprobs(request, live.choice, None if logits is None else logits[None],
+                                (first,))
             request.outputs.append(first)
             request.emit(ev.TokensCommitted, tokens=(first,), frontier=request.cursor,
-                         logprobs=logprobs(request, None if logits is None else logits[None],
-                                           (first,)))
+                         logprobs=reported)
         return Prefilled(first, stop_reason(request, self.max_context))
 
     def catch_up(self, live: Live) -> None:

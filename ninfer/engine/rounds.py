@@ -18,7 +18,7 @@ from ..lifecycle.facts import Mode
 from ..lifecycle.request import Request
 from ..model.pools import OutOfMemory
 from ..model.protocol import MissingStatePart
-from .choice import GreedyChoice
+from .choice import Choice, GreedyChoice
 from .live import Live, Reserve, stop_reason
 from .runner import Runner
 from .speculative import truncate
@@ -75,6 +75,8 @@ class Rounds:
             except OutOfMemory:
                 pass  # that step is then not run ahead: only time is lost
         drafts, probs = runner.draft(lane, request.sequence, frontier, k, live.choice)
+        admitted = live.choice.admit(drafts)  # a grammar cuts them before the verify
+        drafts, probs = drafts[:admitted], probs[:admitted] if probs is not None else None
         if runner.mtp:
             for held in live.captures:
                 runner.extend(held, lane)
@@ -122,6 +124,7 @@ class Rounds:
         live.drafting.observe(rnd.drafted, rnd.accepted)
         count, reason = truncate(rnd.new_tokens, drafted.room, request.params.stop_tokens)
         committed = tuple(rnd.new_tokens[:count])
+        reported = logprobs(request, live.choice, out.logits, committed)  # before they commit
         request.outputs.extend(committed)
         # while drafting pauses, the MTP layer catches up in batches, not every token
         lag = drafted.frontier + count - 1 - lane.mtp_valid
@@ -131,13 +134,16 @@ class Rounds:
         request.cursor = drafted.frontier + count
         request.emit(ev.TokensCommitted, tokens=committed, frontier=request.cursor,
                      drafted=rnd.drafted, accepted=min(rnd.accepted, count),
-                     logprobs=logprobs(request, out.logits, committed))
+                     logprobs=reported)
         return stop_reason(request, self.max_context, reason)
 
 
-def logprobs(request: Request, rows, tokens) -> tuple[dict, ...] | None:
-    """Log-probabilities of committed tokens, when asked for and the model has logits."""
+def logprobs(request: Request, choice: Choice, rows, tokens) -> tuple[dict, ...] | None:
+    """Log-probabilities of tokens about to be committed (row i of `rows` chose tokens[i]),
+    when asked for and the model has logits: of the logits as the choice sees them (a logit
+    bias added, a grammar's mask applied)."""
     if request.params.logprobs <= 0 or rows is None:
         return None
     from .sampling import token_logprobs
-    return token_logprobs(rows, tokens, request.params.logprobs)
+    return token_logprobs(choice.shaped(rows[:len(tokens)], tokens), tokens,
+                          request.params.logprobs)

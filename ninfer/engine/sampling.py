@@ -4,6 +4,7 @@ model's distribution exactly)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -98,13 +99,14 @@ def top_logprobs(logits: torch.Tensor, n: int) -> list[tuple[int, float]]:
 
 def token_logprobs(rows: torch.Tensor, tokens, n: int) -> tuple[dict, ...]:
     """For each chosen token (row i of logits [k, V] predicted tokens[i]): its
-    log-probability and the top n alternatives, as OpenAI reports them."""
+    log-probability and the top n alternatives, as OpenAI reports them (tokens a mask ruled
+    out, at -inf, are no alternatives)."""
     logp = torch.log_softmax(rows.to(torch.float64), dim=-1)
     out = []
     for row, token in zip(logp, tokens, strict=False):
         values, ids = row.topk(n)
-        out.append({"token": int(token), "logprob": float(row[token]),
-                    "top": [[int(i), float(v)] for i, v in zip(ids, values, strict=True)]})
+        top = [[int(i), float(v)] for i, v in zip(ids, values, strict=True) if v > -math.inf]
+        out.append({"token": int(token), "logprob": float(row[token]), "top": top})
     return tuple(out)
 
 
@@ -145,9 +147,12 @@ def _point_mass(token: int, like: torch.Tensor) -> torch.Tensor:
 class SampledChoice:
     """The Choice protocol (ninfer.engine.choice) over logits, for one request: its own
     seeded generator, penalties over its output so far (and its prompt, for the repetition
-    penalty). Without logits (SimModel), greedy."""
+    penalty), its logit bias and its grammar's masks (`constraint`, a
+    ninfer.engine.constraint.Constraint). Without logits (SimModel), greedy (the grammar's
+    lowest allowed token where it refuses the greedy one)."""
 
-    def __init__(self, params, history: list[int], prompt: Sequence[int] = ()) -> None:
+    def __init__(self, params, history: list[int], prompt: Sequence[int] = (),
+                 constraint=None) -> None:
         self.cfg = SamplingConfig(
             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
             min_p=params.min_p, presence_penalty=params.presence_penalty,
@@ -158,26 +163,48 @@ class SampledChoice:
         self.penalised = params.penalised
         self.prompt_ids = distinct(prompt) if prompt and self.cfg.repetition_penalty != 1.0 \
             else None
+        self.bias_ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.int64)
+        self.bias = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float64)
+        self.constraint = constraint
         self.generator = torch.Generator()
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
         else:
             self.generator.seed()
 
+    def shaped(self, logits: torch.Tensor, drafts: Sequence[int] = ()) -> torch.Tensor:
+        """The logits as this request sees them before any choice: its logit bias added,
+        tokens its grammar refuses at -inf. logits [V] following the output and then
+        `drafts`, or rows [n, V] where row i follows drafts[:i]."""
+        if self.bias.numel():
+            logits = logits.to(torch.float64).clone()
+            logits[..., self.bias_ids] += self.bias
+        if self.constraint is not None:
+            if logits.dim() == 1:
+                allowed = self.constraint.masks(drafts)[-1]
+            else:
+                allowed = self.constraint.masks(drafts[:logits.shape[0] - 1])
+            logits = logits.masked_fill(~allowed, -math.inf)
+        return logits
+
     def _probs(self, logits: torch.Tensor, drafts: Sequence[int] = ()) -> torch.Tensor:
         """The distributions of the next tokens: logits [V] following the output and then
         `drafts`, or a verify's rows [k+1, V] (row i follows the first i of `drafts`): the
         penalties count the drafts before each position too."""
+        logits = self.shaped(logits, drafts)
         if not self.penalised:
             return probabilities(logits, self.cfg)
         if logits.dim() == 1:
             history = [*self.history, *drafts] if drafts else self.history
-            return probabilities(apply_penalties(logits, history, self.cfg, self.prompt_ids),
-                                 self.cfg)
+            return probabilities(_keep_some(
+                apply_penalties(logits, history, self.cfg, self.prompt_ids), logits), self.cfg)
         return torch.stack([
-            probabilities(apply_penalties(row, [*self.history, *drafts[:i]], self.cfg,
-                                          self.prompt_ids), self.cfg)
+            probabilities(_keep_some(apply_penalties(row, [*self.history, *drafts[:i]],
+                                                     self.cfg, self.prompt_ids), row), self.cfg)
             for i, row in enumerate(logits)])
+
+    def admit(self, drafts: Sequence[int]) -> int:
+        return len(drafts) if self.constraint is None else self.constraint.admissible(drafts)
 
     def draft(self, greedy: int, logits, before: Sequence[int] = ()):
         if logits is None:
@@ -186,12 +213,24 @@ class SampledChoice:
         return draw(q, self.generator), q
 
     def next(self, greedy: int, logits) -> int:
-        return greedy if logits is None else draw(self._probs(logits), self.generator)
+        if logits is None:
+            return greedy if self.constraint is None else self.constraint.pick(greedy)
+        return draw(self._probs(logits), self.generator)
 
     def accept(self, drafts, greedy, logits, draft_probs) -> tuple[int, int]:
         if logits is None:
             from .speculative import accept_greedy
+            if self.constraint is not None:
+                greedy = [self.constraint.pick(g, drafts[:i]) for i, g in enumerate(greedy)]
             n = accept_greedy(drafts, greedy)
             return n, greedy[n]
         q = torch.stack(draft_probs) if draft_probs and draft_probs[0] is not None else None
         return accept_drafts(drafts, self._probs(logits, drafts), q, self.cfg, self.generator)
+
+
+def _keep_some(penalised: torch.Tensor, shaped: torch.Tensor) -> torch.Tensor:
+    """The penalised logits, unless they rule out every token the grammar allows (stop
+    tokens held back by min_tokens where only the end may come): then the grammar's."""
+    if bool((penalised > -math.inf).any()):
+        return penalised
+    return shaped

@@ -34,7 +34,8 @@ def load_spec(path: Path = SPEC_PATH) -> dict:
 def _queued(r: Request, _e) -> Iterable[tuple[type, dict]]:
     yield ev.RequestQueued, dict(
         tenant=r.tenant, prompt_len=len(r.prompt), block_hashes=r.hashes,
-        tokens=r.prompt if r.journal_tokens else None, params=r.params.to_dict(),
+        tokens=r.prompt if r.journal_tokens else None,
+        params=r.params.to_dict(content=r.journal_tokens),
         boundaries=r.boundaries, shared_prefix=r.shared_prefix)
 
 

@@ -8,6 +8,7 @@ as the trigger's arguments.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,11 @@ class SamplingParams:
     min_tokens: int = 0                # no stop token chosen before this many outputs
     seed: int | None = None
     logprobs: int = 0                  # top-n log-probabilities per token, 0 for none
+    # added to a token's logit before anything else (OpenAI's logit_bias), (id, bias) pairs
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: str | None = None         # what the output must match (llguidance's grammar text)
+    grammar_after: int | None = None   # the grammar applies after this token (the end of the
+    #                                    reasoning block); None: from the first output token
 
     @property
     def penalised(self) -> bool:
@@ -40,10 +46,43 @@ class SamplingParams:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1 or (self.min_tokens > 0 and bool(self.stop_tokens)))
 
-    def to_dict(self) -> dict[str, Any]:
-        out = {f: getattr(self, f) for f in self.__dataclass_fields__}
+    @property
+    def shaped(self) -> bool:
+        """Whether the logits are changed before any choice: a logit bias, a grammar's mask."""
+        return bool(self.logit_bias) or self.grammar is not None
+
+    def to_dict(self, content: bool = True) -> dict[str, Any]:
+        """The parameters as RequestQueued journals them (the shaping fields only when set);
+        without `content` (a journal that keeps no token ids) the grammar's text is
+        replaced by its hash."""
+        out = {f: getattr(self, f) for f in self.__dataclass_fields__ if f not in _SHAPING}
         out["stop_tokens"] = list(self.stop_tokens)
+        if self.logit_bias:
+            out["logit_bias"] = [list(pair) for pair in self.logit_bias]
+        if self.grammar is not None:
+            out["grammar_after"] = self.grammar_after
+            if content:
+                out["grammar"] = self.grammar
+            else:
+                out["grammar_hash"] = grammar_hash(self.grammar)
         return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        """Parameters back from `to_dict` (fields a journal lacks take their defaults; a
+        grammar hash without its text is dropped: there is nothing to constrain with)."""
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        known["stop_tokens"] = tuple(known.get("stop_tokens", ()))
+        known["logit_bias"] = tuple((int(t), float(b)) for t, b in known.get("logit_bias", ()))
+        return cls(**known)
+
+
+_SHAPING = ("logit_bias", "grammar", "grammar_after")
+
+
+def grammar_hash(grammar: str) -> str:
+    """The name a grammar is cached and journaled under: its text's SHA-256, in hex."""
+    return hashlib.sha256(grammar.encode("utf-8")).hexdigest()
 
 
 @dataclass(eq=False)

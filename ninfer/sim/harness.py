@@ -26,12 +26,14 @@ SPEC_PREDICATE = salvage.materializable
 class Harness:
     def __init__(self, config: EngineConfig, *, num_blocks: int = 96, block_size: int = 4,
                  num_slots: int = 24, seed: int = 0, journal: Journal | None = None,
-                 oracle: bool = True, model_factory=None, files_dir=None, clock=None) -> None:
+                 oracle: bool = True, model_factory=None, files_dir=None, clock=None,
+                 grammars=None) -> None:
         """`model_factory(num_blocks, block_size, num_slots)` builds the model (SimModel by
         default); it is called again at a restart that loses tensors. `files_dir`: durable
         endpoints there (`EndpointFiles`), restored by a restart that loses tensors.
-        `clock`: the engines' event clock (the simulator's virtual one); wall time if None."""
-        self.files_dir, self.clock = files_dir, clock
+        `clock`: the engines' event clock (the simulator's virtual one); wall time if None.
+        `grammars`: the engines' (ninfer.engine.grammar.Grammars), for constrained requests."""
+        self.files_dir, self.clock, self.grammars = files_dir, clock, grammars
         self.config, self.seed = config, seed
         self.model_factory = model_factory or (
             lambda nb, bs, ns: SimModel(num_blocks=nb, block_size=bs, num_slots=ns, seed=seed))
@@ -60,7 +62,8 @@ class Harness:
             files = EndpointFiles(self.files_dir)
         engine = Engine(model, config, blocks=blocks, slots=slots,
                         journal=self.journal if journal is None else journal,
-                        held=held, endpoint_files=files, clock=self.clock)
+                        held=held, endpoint_files=files, clock=self.clock,
+                        grammars=self.grammars)
         engine.log.listeners.append(self.checker.feed)
         engine.recover()
         return engine

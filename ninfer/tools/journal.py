@@ -267,20 +267,23 @@ def _redrive(args: argparse.Namespace, src: JournalReader) -> int:
     except RedriveError as e:
         print(f"ninfer journal redrive: {src.path}: {e}", file=sys.stderr)
         return 2
-    factory = None
+    factory = grammars = None
     if args.model:
-        factory = _recorded_model(args.model, src.meta)
-        if isinstance(factory, str):
-            print(f"ninfer journal redrive: {factory}", file=sys.stderr)
+        opened = _recorded_model(args.model, src.meta)
+        if isinstance(opened, str):
+            print(f"ninfer journal redrive: {opened}", file=sys.stderr)
             return 2
+        factory, grammars = opened
     with tqdm(total=len(recording.actions), unit="req", file=sys.stderr, leave=False,
               disable=len(recording.actions) < 50 or args.json) as bar:
         out = Redrive(recording, factory, lambda n: bar.update(n - bar.n),
-                      kv_positions=args.kv_capacity).run()
+                      kv_positions=args.kv_capacity, grammars=grammars).run()
     agreed, forced = out.agreement
     doc = {"same": out.same, "requests": out.compared, "differing": len(out.differences),
            "model": out.model, "events": out.events, "violations": out.violations,
-           "stalls": out.stalls, "differences": out.differences}
+           "stalls": out.stalls, "differences": out.differences,
+           "grammars_checked": out.grammars_checked,
+           "grammar_violations": out.grammar_violations}
     if args.model:
         doc["greedy_agreement"] = {"agreed": agreed, "tokens": forced}
     if args.json:
@@ -295,6 +298,10 @@ def _redrive(args: argparse.Namespace, src: JournalReader) -> int:
         print(f"VIOLATION in the redriven run: {v}")
     for s in out.stalls:
         print(f"STALL: {s}")
+    if out.grammars_checked:
+        print(f"checked {out.grammars_checked} constrained outputs against their grammars")
+    for g in out.grammar_violations:
+        print(f"GRAMMAR: {g}")
     if not out.differences:
         print("every plan, publication, refusal and outcome is as recorded")
     for d in out.differences:
@@ -307,7 +314,8 @@ def _redrive(args: argparse.Namespace, src: JournalReader) -> int:
 
 
 def _recorded_model(path: str, meta: dict):
-    """A factory of the model the journal names, or a message saying why not."""
+    """A factory of the model the journal names and the grammars of its tokenizer, or a
+    message saying why not."""
     from ..model.loader import LoadError
     from ..model.runtime import open_model
     try:
@@ -323,7 +331,8 @@ def _recorded_model(path: str, meta: dict):
         return open_model(path, dtype=meta.get("dtype", "float32"),
                           kv_capacity=num_blocks * block_size, block_size=block_size,
                           num_slots=num_slots).model
-    return factory
+    from ..engine.grammar import Grammars
+    return factory, Grammars.for_tokenizer(probe.tokenizer, probe.model.vocab_size)
 
 
 def _dump(doc) -> int:

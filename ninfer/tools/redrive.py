@@ -17,6 +17,10 @@ and refused, and its outcome.
   greedy choice agreed with the recorded token is reported too.
 - Restarts: at each recorded `ServerStarted` the engine restarts with its options, keeping
   tensors unless the recording lost endpoints for want of them.
+- Grammars: a constrained request's grammar comes back with its parameters; with the
+  model's tokenizer (`--model`) each constrained output is checked against it (a grammar's
+  state is a pure function of the grammar and the output): every recorded token allowed,
+  and an output that ended at an end-of-text token a complete document.
 
 Needs token ids: a journal written with `--journal-content hashes` cannot be redriven.
 """
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..engine.engine import Engine, EngineConfig, Submit
+from ..engine.grammar import ConstraintError, GrammarError, Grammars
 from ..engine.speculative import accept_greedy
 from ..lifecycle import events as ev
 from ..lifecycle.checks import JournalChecker
@@ -187,10 +192,9 @@ def read_recording(events: Iterable[ev.Event], meta: dict | None = None) -> Reco
             if e.tokens is None:
                 raise RedriveError("the journal holds no token ids (written with "
                                    "--journal-content hashes): there is nothing to redrive")
-            params = dict(e.params)
-            params["stop_tokens"] = tuple(params.get("stop_tokens", ()))
             submit = Submit(e.request, tuple(e.tokens), e.conversation, e.tenant,
-                            SamplingParams(**params), tuple(e.boundaries), e.shared_prefix)
+                            SamplingParams.from_dict(e.params), tuple(e.boundaries),
+                            e.shared_prefix)
             requests[e.request] = Recorded(e.request, submit)
             actions.append(Action("submit", dict(follow.progress), request=e.request))
         elif isinstance(e, ev.EndpointEvicted) and e.reason not in ENGINE_EVICTIONS:
@@ -247,6 +251,12 @@ class ForcedChoice:
         accepted = accept_greedy(drafts[:len(want)], want) if want else 0
         return accepted, self._forced(base + accepted, greedy[accepted])
 
+    def admit(self, drafts) -> int:
+        return len(drafts)
+
+    def shaped(self, logits: Any, drafts=()) -> Any:
+        return logits
+
 
 @dataclass
 class Outcome:
@@ -257,10 +267,13 @@ class Outcome:
     model: str
     agreement: tuple[int, int]       # (greedy agreed with the recorded token, tokens forced)
     events: int
+    grammars_checked: int = 0        # constrained outputs checked against their grammars
+    grammar_violations: list[str] = field(default_factory=list)
 
     @property
     def same(self) -> bool:
-        return not self.differences and not self.violations and not self.stalls
+        return not (self.differences or self.violations or self.stalls
+                    or self.grammar_violations)
 
 
 def _config(started: ev.ServerStarted) -> EngineConfig:
@@ -279,10 +292,13 @@ class Redrive:
     def __init__(self, recording: Recording,
                  model_factory: Callable[[int, int, int], Any] | None = None,
                  progress: Callable[[int], None] | None = None, *,
-                 kv_positions: int = SIM_BLOCKS * 16, slots: int = SIM_SLOTS) -> None:
+                 kv_positions: int = SIM_BLOCKS * 16, slots: int = SIM_SLOTS,
+                 grammars: Grammars | None = None) -> None:
         """`model_factory(num_blocks, block_size, num_slots)`: SimModel by default.
         `kv_positions` and `slots` size the pools (generous: the recording's memory
-        pressure is not replayed, its outcomes are compared)."""
+        pressure is not replayed, its outcomes are compared). `grammars`: for the recorded
+        model's tokenizer, to check constrained outputs against their grammars."""
+        self.grammars = grammars
         self.rec = recording
         self.sizes = (-(-kv_positions // recording.first.options.get("block_size", 16)), slots)
         self.block_size = recording.first.options.get("block_size", 16)
@@ -305,7 +321,7 @@ class Redrive:
         else:
             model, blocks, slots, held = kept
         engine = Engine(model, config, blocks=blocks, slots=slots, journal=self.journal,
-                        held=held)
+                        held=held, grammars=self.grammars)
         engine.log.listeners.append(self._watch)
         engine.choose = self._choice
         engine.recover()
@@ -374,8 +390,13 @@ class Redrive:
         return self._compare()
 
     def _submit(self, r: Recorded) -> None:
+        submit = r.submit
+        if self.grammars is None and submit.params.grammar is not None:
+            # the recorded tokens are forced: without the tokenizer the grammar goes unused
+            submit = replace(submit, params=replace(submit.params, grammar=None,
+                                                    grammar_after=None))
         try:
-            self.engine.submit(r.submit)
+            self.engine.submit(submit)
         except ValueError as exc:  # today's validation refuses it (another max_context, say)
             self.follow.decisions[r.id] = Decisions(outcome=("Refused", str(exc)))
             self.follow.progress[r.id] = ENDED
@@ -408,8 +429,31 @@ class Redrive:
                                     "recorded": {k: then[k] for k in changed},
                                     "redriven": {k: now[k] for k in changed}})
         model = self.engine.model.identity
+        checked, refused = self._check_grammars()
         return Outcome(len(self.rec.requests), differences, self.violations, self.stalls,
-                       model, (self.tally[0], self.tally[1]), self.journal.last_seq)
+                       model, (self.tally[0], self.tally[1]), self.journal.last_seq,
+                       checked, refused)
+
+    def _check_grammars(self) -> tuple[int, list[str]]:
+        """Each constrained request's recorded output against its journaled grammar."""
+        if self.grammars is None:
+            return 0, []
+        from ..engine.constraint import Constraint
+        checked, refused = 0, []
+        for rid, r in self.rec.requests.items():
+            params = r.submit.params
+            if params.grammar is None:
+                continue
+            checked += 1
+            try:
+                constraint = Constraint(self.grammars.matcher(params.grammar), r.outputs,
+                                        after=params.grammar_after,
+                                        end_tokens=self.grammars.end_tokens,
+                                        vocab_size=self.grammars.vocab_size)
+                constraint.masks()  # feeds it every recorded token
+            except (ConstraintError, GrammarError) as exc:
+                refused.append(f"request {rid}: {exc}")
+        return checked, refused
 
 
 def _sim_factory(num_blocks: int, block_size: int, num_slots: int):
@@ -419,6 +463,6 @@ def _sim_factory(num_blocks: int, block_size: int, num_slots: int):
 
 
 def redrive(events: Iterable[ev.Event], meta: dict | None = None, model_factory=None,
-            progress=None, **sizes) -> Outcome:
+            progress=None, **options) -> Outcome:
     """Redrive a journal's events (in seq order) and compare the decisions."""
-    return Redrive(read_recording(events, meta), model_factory, progress, **sizes).run()
+    return Redrive(read_recording(events, meta), model_factory, progress, **options).run()
