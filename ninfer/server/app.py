@@ -22,7 +22,7 @@ from ..engine.thread import EngineThread
 from ..lifecycle.request import SamplingParams
 from ..model.template import ChatTemplate, ChatTemplateError
 from ..model.tokenizer import Tokenizer
-from . import errors, sessions
+from . import errors, formats, sessions
 from .errors import ApiError, bad_request
 from .generation import Generation, Settings
 from .history import History
@@ -242,21 +242,26 @@ def create_app(server: Server) -> FastAPI:
             tenant = sessions.tenant(api_key, body.cache_salt)
             encode_text = server.history.encoder(
                 lambda t: encode(server.tokenizer, t), tenant, session)
-            text = None
+            text, thinking = None, False
             if chat:
                 text, ids, boundaries, shared = render_chat(server, body, encode_text)
-                parser = OutputParser(thinking=opens_thinking(text),
+                thinking = opens_thinking(text)
+                parser = OutputParser(thinking=thinking,
                                       tools=bool(body.tools) and body.tool_choice != "none")
                 limit = body.output_limit
             else:
                 ids, boundaries, shared, parser = completion_ids(server, body), (), 0, None
                 limit = body.max_tokens
             params = sampling(body, len(ids), server.settings, limit, stop_ids)
+            room = None if limit is not None else server.settings.max_context - len(ids) - 1
+            params = await formats.constrain(server, body, params, reasoning=thinking,
+                                             room=room)
             gen = Generation(
                 server, route="openai-chat" if chat else "openai-completion",
                 prompt=tuple(ids), session=session, tenant=tenant, params=params,
-                prompt_text=text,
-                boundaries=boundaries, shared_prefix=shared, stops=body.stop_strings(),
+                prompt_text=text, boundaries=boundaries, shared_prefix=shared,
+                # a constrained reply is its grammar's: stop strings do not cut it
+                stops=body.stop_strings() if params.grammar is None else (),
                 parser=parser, arrival=arrival)
             gen.submit()
         except ApiError as exc:

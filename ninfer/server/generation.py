@@ -36,6 +36,7 @@ class Settings:
     max_body_bytes: int = 8 * 2**20
     keepalive_s: float = 5.0
     spec: str = "none"
+    grammar_timeout: float = 10.0   # seconds a request's grammar may take to compile
 
 
 class Generation:

@@ -1,8 +1,9 @@
 """OpenAI request models (pydantic v2; the response bodies are in `bodies`). Requests are
 validated strictly where a wrong value would silently change behaviour (types, ranges,
 finiteness) and leniently where clients differ harmlessly (unknown fields are ignored). A
-known field asking for what this server does not do (JSON-constrained output, a logit bias)
-is refused, not ignored."""
+known field asking for what this server does not do is refused, not ignored. The output
+format fields (`response_format`, vLLM's `structured_outputs` and `guided_*`) are read into
+a grammar by `formats`."""
 
 from __future__ import annotations
 
@@ -107,18 +108,47 @@ class StreamOptions(_Model):
     include_usage: StrictBool = False
 
 
-class ResponseFormat(_Model):
-    """Plain text only: output constrained to JSON is not implemented, and a request for it
-    ignored would hand the client what it did not ask for."""
+class JsonSchemaFormat(_Model):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
-    type: StrictStr
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
     @model_validator(mode="after")
-    def _text_only(self) -> ResponseFormat:
-        if self.type != "text":
-            raise ValueError(f"type {self.type!r} is not supported: this server does not "
-                             "constrain its output (only 'text')")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object")
         return self
+
+
+class StructuredOutputs(_Model):
+    """vLLM's `structured_outputs`: exactly one of its formats."""
+
+    json_: dict[str, Any] | StrictStr | None = Field(None, alias="json")
+    regex: StrictStr | None = None
+    choice: Annotated[list[StrictStr], Field(min_length=1)] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _one_format(self) -> StructuredOutputs:
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k)
+                 is not None] + (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar, json_object")
+        return self
+
+
+LogitBias = Annotated[dict[StrictStr, Annotated[float, Field(ge=-100.0, le=100.0,
+                                                             allow_inf_nan=False)]],
+                      Field(max_length=1024)]
 
 
 class SamplingFields(_Model):
@@ -153,14 +183,22 @@ class SamplingFields(_Model):
     # conversation's): a session key (server/sessions.py); empty is none
     prompt_cache_key: Annotated[StrictStr, Field(max_length=1024)] | None = None
     cache_salt: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
-    logit_bias: dict[str, Any] | None = None
+    # OpenAI's: token id (as a string) -> a bias in [-100, 100] added to its logit
+    logit_bias: LogitBias | None = None
+    # what the output must match: OpenAI's response_format, vLLM's fields (formats.py)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: Annotated[list[StrictStr], Field(min_length=1)] | None = None
+    guided_grammar: StrictStr | None = None
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict | None) -> dict | None:
-        if value:  # (an empty one changes nothing)
-            raise ValueError("not supported: this server samples from the model's own "
-                             "distribution")
+    def _token_ids(cls, value: dict | None) -> dict | None:
+        for key in value or {}:
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
         return value
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -183,7 +221,6 @@ class ChatRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: StrictBool | None = None
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
-    response_format: ResponseFormat | None = None
     functions: list[Any] | None = None  # the deprecated form of tools
     function_call: Any = None
 

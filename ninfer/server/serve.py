@@ -124,6 +124,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="requests waiting for a lane before new ones get 429")
     p.add_argument("--pending-timeout", type=float, default=600.0,
                    help="seconds a request may wait for a lane before it gets 503")
+    p.add_argument("--grammar-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="seconds a request's output grammar (a JSON schema, a regex, a Lark "
+                        "grammar, forced tool calls) may take to compile before it gets 400")
     p.add_argument("--max-body-bytes", type=_positive, default=8 * 2**20,
                    help="largest request body (413 above it)")
     p.add_argument("--keepalive", type=float, default=5.0,
@@ -177,6 +180,7 @@ def load(args: argparse.Namespace) -> Loaded:
     import torch
 
     from ..engine.engine import Engine, EngineConfig
+    from ..engine.grammar import Grammars
     from ..engine.thread import EngineThread
     from ..lifecycle.journal import Journal
     from ..model.runtime import open_model
@@ -210,7 +214,8 @@ def load(args: argparse.Namespace) -> Loaded:
         from ..engine.durable import EndpointFiles
         files = EndpointFiles(args.persist_endpoints)
     engine = Engine(om.model, config, blocks=om.blocks, slots=om.slots, journal=journal,
-                    endpoint_files=files)
+                    endpoint_files=files,
+                    grammars=Grammars.for_tokenizer(om.tokenizer, om.model.vocab_size))
     engine.recover()
     thread = EngineThread(engine, step_delay=args.step_delay_ms / 1000).start()
     return Loaded(thread, om.tokenizer, om.template, om.name)
@@ -264,7 +269,8 @@ def settings_from(args: argparse.Namespace, model_name: str | None = None):
                     derive_session_keys=args.derive_session_keys,
                     api_keys=load_keys(args.api_key), max_pending=args.max_pending,
                     pending_timeout=args.pending_timeout, max_body_bytes=args.max_body_bytes,
-                    keepalive_s=args.keepalive, spec=args.spec)
+                    keepalive_s=args.keepalive, spec=args.spec,
+                    grammar_timeout=args.grammar_timeout)
 
 
 def build(args: argparse.Namespace):

@@ -91,10 +91,12 @@ FIELDS = [
     ("bad reasoning effort", {"reasoning_effort": "extreme"}, "reasoning_effort"),
     ("lone surrogate", {"messages": [{"role": "user", "content": "\ud800"}]}, None),
     # asked-for behaviour this server does not have: refused, never silently ignored
-    ("JSON output", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("JSON schema output", {"response_format": {"type": "json_schema", "json_schema": {}}},
-     "response_format"),
-    ("logit bias", {"logit_bias": {"5": 100}}, "logit_bias"),
+    ("unknown output format", {"response_format": {"type": "xml"}}, "response_format.type"),
+    ("JSON schema output without a schema",
+     {"response_format": {"type": "json_schema", "json_schema": {}}},
+     "response_format.json_schema.schema"),
+    ("logit bias out of range", {"logit_bias": {"5": 101}}, "logit_bias.5"),
+    ("logit bias keyed by text", {"logit_bias": {"hello": 1}}, "logit_bias"),
     ("deprecated functions", {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ("deprecated function_call", {"function_call": "auto"}, "function_call"),
 ]
@@ -135,7 +137,8 @@ def test_completions_errors(live):
     check_shape(r, 400)
     r = httpx.post(live.url + "/v1/completions", json={"prompt": "x", "echo": True})
     check_shape(r, 400)
-    r = httpx.post(live.url + "/v1/completions", json={"prompt": "x", "logit_bias": {"7": 5}})
+    r = httpx.post(live.url + "/v1/completions", json={"prompt": "x",
+                                                         "logit_bias": {"999999": 5}})
     assert check_shape(r, 400)["param"] == "logit_bias"
     r = httpx.post(live.url + "/v1/completions", json={"prompt": "x", "stop_token_ids": [10**9]})
     assert check_shape(r, 400)["param"] == "stop_token_ids"

@@ -1,0 +1,141 @@
+"""What a chat or text completion asks its output to match, read from its fields into the
+grammar the engine holds it to (reply_grammar.py), and its logit bias.
+
+An answer format comes from one field at most: OpenAI's `response_format` (`json_object`,
+`json_schema` with `strict`), vLLM's `structured_outputs` (`json`, `regex`, `choice`,
+`grammar`, `json_object`) or its older `guided_json`, `guided_regex`, `guided_choice`,
+`guided_grammar`. A chat's tool choice adds tool calls: "required" or a named function
+forces them; in "auto", strict tools' arguments are held to their schemas.
+
+Everything is checked before the request is queued: a format that cannot be built, a
+grammar that does not compile (in a worker thread, within the server's timeout) or is too
+large is a 400 naming the field and the problem.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from typing import Any
+
+from ..engine.grammar import GrammarError
+from ..lifecycle.request import SamplingParams
+from .errors import ApiError, bad_request
+from .reply_grammar import OutputFormat, ToolCalls, ToolFormat, document_bound, reply_grammar
+from .schemas import ChatRequest, NamedToolChoice, SamplingFields
+
+GUIDED = (("guided_json", "json_schema"), ("guided_regex", "regex"),
+          ("guided_choice", "choice"), ("guided_grammar", "lark"))
+
+
+def answer_format(body: SamplingFields) -> tuple[OutputFormat | None, str | None]:
+    """The answer's format and the field that asked for it (None, None: free text)."""
+    found: list[tuple[OutputFormat, str]] = []
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append((OutputFormat("json_object"), "response_format"))
+    elif rf is not None and rf.type == "json_schema":
+        js = rf.json_schema
+        found.append((OutputFormat("json_schema", js.schema_, bool(js.strict)),
+                      "response_format"))
+    so = body.structured_outputs
+    if so is not None:
+        if so.json_ is not None:
+            fmt = OutputFormat("json_schema", _schema(so.json_, "structured_outputs.json"))
+        elif so.regex is not None:
+            fmt = OutputFormat("regex", so.regex)
+        elif so.choice is not None:
+            fmt = OutputFormat("choice", tuple(so.choice))
+        elif so.grammar is not None:
+            fmt = OutputFormat("lark", so.grammar)
+        else:
+            fmt = OutputFormat("json_object")
+        found.append((fmt, "structured_outputs"))
+    for field, kind in GUIDED:
+        value = getattr(body, field)
+        if value is not None:
+            spec = _schema(value, field) if kind == "json_schema" else value
+            found.append((OutputFormat(kind, tuple(spec) if kind == "choice" else spec),
+                          field))
+    if len(found) > 1:
+        fields = ", ".join(f for _, f in found)
+        raise bad_request(f"give one output format, not several ({fields})", found[1][1])
+    return found[0] if found else (None, None)
+
+
+def _schema(value: dict | str, field: str) -> dict[str, Any]:
+    """A JSON schema given as an object or as its JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise bad_request(f"{field}: not a JSON schema: {exc}", field) from None
+    if not isinstance(value, dict):
+        raise bad_request(f"{field}: a JSON schema must be an object", field)
+    return value
+
+
+def tool_calls(body: ChatRequest) -> ToolCalls | None:
+    """The tool calls a chat's tool choice asks for (None: no tools, or choice "none")."""
+    if not body.tools or body.tool_choice == "none":
+        return None
+    tools = tuple(ToolFormat(t.function.name, t.function.parameters, bool(t.function.strict))
+                  for t in body.tools)
+    parallel = body.parallel_tool_calls is not False
+    if isinstance(body.tool_choice, NamedToolChoice):
+        named = body.tool_choice.function["name"]
+        return ToolCalls(tuple(t for t in tools if t.name == named), "named", False)
+    if body.tool_choice == "required":
+        return ToolCalls(tools, "required", parallel)
+    return ToolCalls(tools, "auto", parallel)
+
+
+def logit_bias(body: SamplingFields, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """The logit bias as (token id, bias) pairs, ids checked against the vocabulary."""
+    pairs = tuple(sorted((int(k), float(v)) for k, v in (body.logit_bias or {}).items()))
+    if any(t >= vocab_size for t, _ in pairs):
+        raise bad_request(f"logit_bias: token ids must be in [0, {vocab_size})", "logit_bias")
+    return pairs
+
+
+async def constrain(server, body: SamplingFields, params: SamplingParams, *,
+                    reasoning: bool, room: int | None) -> SamplingParams:
+    """`params` with the request's grammar (compiled, or a 400) and logit bias.
+    `reasoning`: the prompt left a reasoning block open, so the grammar starts after its
+    end token; `room`: the most tokens the reply may have when the client set no max_tokens
+    (None when it did): a strict, bounded document then gets the room to complete."""
+    bias = logit_bias(body, server.vocab_size)
+    answer, field = answer_format(body)
+    calls = tool_calls(body) if isinstance(body, ChatRequest) else None
+    special = server.tokenizer.special
+    try:
+        grammar = reply_grammar(answer, calls, after_reasoning=reasoning)
+    except ValueError as exc:
+        raise bad_request(f"{field or 'tools'}: {exc}", field or "tools") from None
+    if grammar is None:
+        return dataclasses.replace(params, logit_bias=bias) if bias else params
+    param = field or "tools"
+    if calls is not None and (special.tool_call_start is None or special.tool_call_end is None):
+        raise bad_request("this model's tokenizer has no tool-call tokens to constrain "
+                          "calls with", param)
+    if reasoning and special.think_end is None:
+        raise bad_request("this model's tokenizer has no end-of-reasoning token", param)
+    grammars = server.thread.engine.grammars
+    timeout = server.settings.grammar_timeout
+    try:
+        await asyncio.wait_for(asyncio.to_thread(grammars.compile, grammar), timeout)
+    except GrammarError as exc:
+        raise bad_request(f"{param}: {exc}", param) from None
+    except TimeoutError:  # the compile goes on in its thread, bounded by llguidance's fuel
+        raise ApiError(400, f"{param}: the grammar took longer than {timeout:g} s to compile",
+                       param=param, code="grammar_too_complex") from None
+    max_tokens = params.max_tokens
+    if room is not None and answer is not None and answer.strict and not reasoning:
+        bound = document_bound(answer.spec) if answer.kind == "json_schema" else None
+        if bound is not None:  # every token is a byte or more, and the end token
+            max_tokens = max(max_tokens, min(bound + 1, room))
+    return dataclasses.replace(
+        params, grammar=grammar, logit_bias=bias, max_tokens=max_tokens,
+        grammar_after=special.think_end if reasoning else None,
+        stop_tokens=tuple(sorted(set(params.stop_tokens) | set(grammars.end_tokens))))
