@@ -140,7 +140,7 @@ class Harness:
                 decision = SPEC_PREDICATE(stored.facts.checkpoint, engine.mode)
                 assert decision.ok, f"endpoint {stored.facts.id} in the store: {decision.reason}"
         for rid, request in engine.requests.items():                     # 3
-            if rid in self.checked_outputs or not request.outputs:
+            if rid in self.checked_outputs or not request.outputs or not _plain(request):
                 continue
             ref = engine.model.reference_generate(request.prompt, request.params.max_tokens,
                                                   request.params.stop_tokens)
@@ -148,3 +148,10 @@ class Harness:
                 f"{rid}: output differs from a Root run")
             if request.state in ("Finished", "Cancelled", "Failed"):
                 self.checked_outputs.add(rid)
+
+
+def _plain(request) -> bool:
+    """Whether the request chooses its model's greedy tokens, as the Root run it is checked
+    against does (not sampled, penalised, biased or held to a grammar)."""
+    p = request.params
+    return p.temperature <= 0 and not p.penalised and not p.shaped
