@@ -34,6 +34,10 @@ class Choice(Protocol):
         """The logits as the choice sees them (logit bias added, a grammar's mask applied),
         row i following the output and then drafts[:i]: what log-probabilities report."""
 
+    def prepare(self, drafts: Sequence[int]) -> None:
+        """The round's verify of `drafts` starts: begin what accepting it will need (a
+        grammar's masks), to overlap the forward."""
+
 
 class GreedyChoice:
     def draft(self, greedy: int, logits: Any, before: Sequence[int] = ()) -> tuple[int, Any]:
@@ -51,6 +55,9 @@ class GreedyChoice:
 
     def shaped(self, logits: Any, drafts: Sequence[int] = ()) -> Any:
         return logits
+
+    def prepare(self, drafts: Sequence[int]) -> None:
+        pass
 
 
 def needs_sampling(params: SamplingParams) -> bool:
@@ -72,5 +79,5 @@ def make_choice(params: SamplingParams, history: list[int], prompt: Sequence[int
         from .constraint import Constraint
         constraint = Constraint(grammars.matcher(params.grammar), history,
                                 after=params.grammar_after, end_tokens=grammars.end_tokens,
-                                vocab_size=grammars.vocab_size)
+                                vocab_size=grammars.vocab_size, prefetch=grammars.prefetch)
     return SampledChoice(params, history, prompt, constraint)

@@ -11,31 +11,43 @@ and then the round's first i drafts. The matcher is advanced over the drafts, a 
 at each, and rolled back, so it always rests at the committed output. Before the grammar
 starts (reasoning) every token is allowed but the end tokens: a reply cannot end before its
 constrained part has come.
+
+With `prefetch` (a large vocabulary, where a mask costs as much as a GPU's decode step) a
+round's masks are computed in a worker thread while its verify forward runs (llguidance
+releases the GIL): `prefetch(drafts)` starts them, and every other call waits for them
+first, so the matcher is only ever used by one thread at a time.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from .grammar import ConstraintError
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
+# masks computed while a verify runs, for every constrained lane of the batch
+_WORKERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ninfer-masks")
 
 
 class Constraint:
     def __init__(self, matcher, history: list[int], *, after: int | None,
-                 end_tokens: Sequence[int], vocab_size: int) -> None:
+                 end_tokens: Sequence[int], vocab_size: int, prefetch: bool = False) -> None:
         """`matcher`: a fresh llguidance matcher of the grammar; `history`: the request's
         output list (read as it grows, never written); `after`: the token that starts the
-        grammar (None: it starts at the first output token)."""
+        grammar (None: it starts at the first output token); `prefetch`: a round's masks
+        are computed while its verify runs."""
         self.matcher, self.history, self.after = matcher, history, after
+        self.prefetching = prefetch
+        self._pending: Future | None = None
         self.vocab_size = vocab_size
         self.end_tokens = tuple(end_tokens)
         self.start: int | None = 0 if after is None else None  # output index the grammar
         self.seen = 0                                          # starts at; outputs fed
-        self._words = torch.zeros(-(-vocab_size // 32), dtype=torch.int32)
+        self._words = torch.zeros(-(-vocab_size // 32), dtype=torch.int32)  # the bitmask
+        self._bytes = self._words.numpy().view(np.uint8)
         self._free = torch.ones(vocab_size, dtype=torch.bool)
         self._free[list(self.end_tokens)] = False
         self._only_end = ~self._free
@@ -44,6 +56,18 @@ class Constraint:
         self.masks_computed = 0      # matcher mask computations (the benchmark counts them)
 
     # --- the committed output ------------------------------------------------------------
+
+    def _settle(self) -> None:
+        """Wait for masks computing in a worker (their errors are raised here)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def prefetch(self, tokens: Sequence[int]) -> None:
+        """Start the masks `masks(tokens)` will return, in a worker (when prefetching)."""
+        if self.prefetching:
+            self._settle()
+            self._pending = _WORKERS.submit(self._rows, tuple(tokens))
 
     def _sync(self) -> None:
         """Feed the matcher the committed tokens it has not seen."""
@@ -62,6 +86,7 @@ class Constraint:
     @property
     def started(self) -> bool:
         """Whether the committed output has reached the grammar's start."""
+        self._settle()
         self._sync()
         return self.start is not None
 
@@ -70,6 +95,10 @@ class Constraint:
     def masks(self, tokens: Sequence[int] = ()) -> torch.Tensor:
         """Allowed tokens [len(tokens) + 1, V] (bool): row i after the committed output and
         then tokens[:i]. `tokens` must be ones the grammar admits (`admissible`)."""
+        self._settle()
+        return self._rows(tokens)
+
+    def _rows(self, tokens: Sequence[int]) -> torch.Tensor:
         self._sync()
         if self._memo_at != len(self.history):
             self._memo, self._memo_at = {}, len(self.history)
@@ -111,12 +140,15 @@ class Constraint:
         self.masks_computed += 1
         if self.matcher.is_error():
             raise ConstraintError(f"the grammar failed: {self.matcher.get_error()}")
-        allowed = ((self._words[:, None] >> _SHIFTS) & 1).flatten()[:self.vocab_size].bool()
+        # numpy's unpacking is ~5x torch's shifts at a 152K vocabulary (bench constrained)
+        bits = np.unpackbits(self._bytes, count=self.vocab_size, bitorder="little")
+        allowed = torch.from_numpy(bits.view(np.bool_))
         return allowed if bool(allowed.any()) else self._only_end
 
     def admissible(self, tokens: Sequence[int]) -> int:
         """How many of `tokens` (drafts after the committed output) the grammar admits, in
         order: the rest is cut before the verify."""
+        self._settle()
         self._sync()
         if self.start is not None:
             return self.matcher.validate_tokens(list(tokens))

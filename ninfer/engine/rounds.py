@@ -103,6 +103,8 @@ class Rounds:
         ahead = greedy and all(x.round.room > 1 and self.plain_next(x, len(x.round.drafts))
                                for x in lives)
         logits = not greedy or any(x.request.params.logprobs > 0 for x in lives)
+        for live in lives:  # a grammar's masks, computed while the forward runs
+            live.choice.prepare(live.round.drafts)
         try:
             outs = self.runner.forward_many(items, ahead=ahead, logits=logits)
         except MissingStatePart:  # find the broken lane: one forward each

@@ -206,21 +206,36 @@ class SampledChoice:
     def admit(self, drafts: Sequence[int]) -> int:
         return len(drafts) if self.constraint is None else self.constraint.admissible(drafts)
 
+    def prepare(self, drafts: Sequence[int]) -> None:
+        if self.constraint is not None:
+            self.constraint.prefetch(drafts)
+
+    @property
+    def _argmax(self) -> bool:
+        """Greedy over shaped logits alone (no penalties): the argmax, no distribution."""
+        return self.cfg.greedy and not self.penalised
+
     def draft(self, greedy: int, logits, before: Sequence[int] = ()):
         if logits is None:
             return greedy, None
+        if self._argmax:  # a point mass: greedy acceptance reads no draft distribution
+            return int(self.shaped(logits, before).argmax()), None
         q = self._probs(logits, before)
         return draw(q, self.generator), q
 
     def next(self, greedy: int, logits) -> int:
         if logits is None:
             return greedy if self.constraint is None else self.constraint.pick(greedy)
+        if self._argmax:
+            return int(self.shaped(logits).argmax())
         return draw(self._probs(logits), self.generator)
 
     def accept(self, drafts, greedy, logits, draft_probs) -> tuple[int, int]:
-        if logits is None:
+        if logits is None or self._argmax:
             from .speculative import accept_greedy
-            if self.constraint is not None:
+            if logits is not None:
+                greedy = self.shaped(logits, drafts).argmax(-1).tolist()
+            elif self.constraint is not None:
                 greedy = [self.constraint.pick(g, drafts[:i]) for i, g in enumerate(greedy)]
             n = accept_greedy(drafts, greedy)
             return n, greedy[n]

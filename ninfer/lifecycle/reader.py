@@ -26,9 +26,11 @@ from .journalfile import (
 )
 
 COLUMNS = "seq, time, request, conversation, kind, data"
-# Lean reads leave out token ids (prompts' and checkpoints': most of a journal's bytes),
-# dropped by SQLite before Python parses the JSON: kind -> json_replace's (path, value) pairs
-LEAN_DROP = {"RequestQueued": "'$.tokens', NULL, '$.block_hashes', json('[]')",
+# Lean reads leave out token ids (prompts' and checkpoints': most of a journal's bytes) and
+# output grammars (a tool list's schemas run to tens of KB), dropped by SQLite before Python
+# parses the JSON: kind -> json_replace's (path, value) pairs
+LEAN_DROP = {"RequestQueued": "'$.tokens', NULL, '$.block_hashes', json('[]'), "
+                              "'$.params.grammar', NULL",
              "EndpointPublished": "'$.endpoint.checkpoint.tokens', NULL",
              "CheckpointCaptured": "'$.checkpoint.tokens', NULL"}
 # the lean payload column; a payload that is not JSON comes as it is, for `decode` to name

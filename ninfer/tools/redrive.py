@@ -257,6 +257,9 @@ class ForcedChoice:
     def shaped(self, logits: Any, drafts=()) -> Any:
         return logits
 
+    def prepare(self, drafts) -> None:
+        pass
+
 
 @dataclass
 class Outcome:

@@ -17,7 +17,10 @@ from hypothesis import strategies as st
 
 from ninfer.engine.constraint import Constraint
 from ninfer.engine.engine import EngineConfig, Submit
+from ninfer.engine.grammar import Grammars
 from ninfer.engine.runner import Runner
+from ninfer.lifecycle.journal import Journal
+from ninfer.lifecycle.reader import JournalReader
 from ninfer.lifecycle.request import SamplingParams, grammar_hash
 from ninfer.server.reply_grammar import document_bound
 from ninfer.sim.harness import Harness
@@ -29,11 +32,11 @@ SPECS = ("none", "mtp", "ngram")
 NAMES = ("id", "name", "size", "tags", "ok", "kind", "x")
 
 
-def harness(spec: str, **config) -> Harness:
+def harness(spec: str, journal: Journal | None = None, **config) -> Harness:
     return Harness(EngineConfig(spec=spec, prefill_chunk=64, max_concurrency=2, draft_tokens=3,
                                 **config),
                    num_blocks=400, block_size=16, num_slots=24, model_factory=model_factory,
-                   grammars=grammars())
+                   grammars=grammars(), journal=journal)
 
 
 # --- schemas ---------------------------------------------------------------------------------
@@ -173,6 +176,24 @@ def test_drafts_are_cut_at_the_first_token_the_grammar_refuses_before_the_verify
     assert all(e.drafted <= 1 for e in commits)
 
 
+@pytest.mark.parametrize("spec", ["mtp", "ngram"])
+def test_masks_computed_while_the_verify_runs_change_no_reply(spec):
+    """From a large vocabulary up a round's masks are computed during its verify forward;
+    forced on here, greedy and sampled replies are the ones computed after it."""
+    g = grammars()
+    ahead = Grammars(tokenizer().json_text, g.vocab_size, g.end_tokens, prefetch=True)
+    grammar = json_grammar(BOUNDED)
+    requests = {"g": params(grammar, 0.0, document_bound(BOUNDED) + 1),
+                "s": params(grammar, 1.0, document_bound(BOUNDED) + 1)}
+    want = run(harness(spec), requests)
+    h = harness(spec)
+    h.engine.grammars = ahead
+    got = run(h, requests)
+    for rid in requests:
+        assert got[rid].outputs == want[rid].outputs
+        check_reply(got[rid], BOUNDED, grammar)
+
+
 def _reasoning_params(grammar: str | None, bias: float) -> SamplingParams:
     tok = tokenizer()
     think_end = tok.special.think_end
@@ -267,9 +288,11 @@ def test_a_cancel_in_the_middle_of_an_object_and_its_retry_validate():
 
 
 @pytest.mark.parametrize("tokens", [True, False])
-def test_the_grammar_is_journaled_with_the_request_or_its_hash(tokens):
+def test_the_grammar_is_journaled_with_the_request_or_its_hash(tokens, tmp_path):
+    """With the journal's content, the grammar's text (what redrive needs); without, its
+    hash. The journal tools' lean reads leave it out."""
     grammar = json_grammar(BOUNDED)
-    h = harness("none", journal_tokens=tokens)
+    h = harness("none", Journal.open(tmp_path / "j.db"), journal_tokens=tokens)
     run(h, {"r": params(grammar, 0.0, 8)})
     [queued] = [e for e in h.journal.read() if e.kind == "RequestQueued"]
     if tokens:
@@ -278,3 +301,7 @@ def test_the_grammar_is_journaled_with_the_request_or_its_hash(tokens):
     else:
         assert "grammar" not in queued.params
         assert queued.params["grammar_hash"] == grammar_hash(grammar)
+    h.journal.close()
+    with JournalReader.open(tmp_path / "j.db") as src:
+        [lean] = [e for e in src.events(lean=True) if e.kind == "RequestQueued"]
+    assert lean.params.get("grammar") is None and lean.params["max_tokens"] == 8

@@ -98,6 +98,28 @@ def test_reasoning_is_free_but_cannot_end_the_reply():
         think_end]
 
 
+def test_masks_prefetched_in_a_worker_are_the_same():
+    """Computed while a verify runs (a worker thread), a round's masks are the ones computed
+    after it, and the matcher is back at the committed output for what comes next."""
+    grammar = json_grammar(SCHEMA)
+    ids = tokenizer().encode(DOC)
+    history: list[int] = []
+    g = grammars()
+    ahead = Constraint(g.matcher(grammar), history, after=None, end_tokens=g.end_tokens,
+                       vocab_size=g.vocab_size, prefetch=True)
+    for n in range(len(ids) - 2):
+        drafts = ids[n:n + 2]
+        ahead.prefetch(drafts)
+        assert torch.equal(ahead.masks(drafts), constraint(grammar, list(ids[:n])).masks(drafts))
+        assert ahead.admissible(drafts) == 2
+        history.append(ids[n])
+    bad = constraint(grammar, tokenizer().encode("nope"))
+    bad.prefetching = True
+    bad.prefetch(())
+    with pytest.raises(ConstraintError):  # a worker's error is raised where it is waited for
+        bad.masks()
+
+
 def test_a_committed_token_the_grammar_refuses_is_an_error():
     c = constraint(json_grammar(SCHEMA), tokenizer().encode("nope"))
     with pytest.raises(ConstraintError):
