@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import random
+from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,14 @@ def corpus(lines: int = 8000) -> list[str]:
 def train_tokenizer(bpe_size: int = 4096 - _PADDING - len(SPECIAL) - len(TAGS)) -> str:
     """tokenizer.json text: byte-level BPE with `bpe_size` tokens, then the Qwen-style added
     tokens after them (ids bpe_size...): three special, the tags not (decode keeps them)."""
+    return train_bpe(corpus(), bpe_size, exact=True, pretty=True)
+
+
+def train_bpe(texts: Iterable[str], bpe_size: int, *, exact: bool = False,
+              pretty: bool = False) -> str:
+    """tokenizer.json text of a byte-level BPE trained on `texts` with Qwen's split, of
+    `bpe_size` tokens (fewer if the texts run out of merges; `exact`: that is an error),
+    then the Qwen-style added tokens after them."""
     tok = BackendTokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -133,12 +142,12 @@ def train_tokenizer(bpe_size: int = 4096 - _PADDING - len(SPECIAL) - len(TAGS)) 
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=bpe_size, min_frequency=2, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus(), trainer)
-    if tok.get_vocab_size() != bpe_size:  # ids of the added tokens must not move
+    tok.train_from_iterator(texts, trainer)
+    if exact and tok.get_vocab_size() != bpe_size:  # ids of the added tokens must not move
         raise RuntimeError(f"the corpus yields {tok.get_vocab_size()} BPE tokens, not {bpe_size}")
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAGS])
-    return tok.to_str(pretty=True)
+    return tok.to_str(pretty=pretty)
 
 
 # --- the model -------------------------------------------------------------------------------
