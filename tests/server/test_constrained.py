@@ -171,6 +171,17 @@ def test_reasoning_stays_free_and_the_answer_follows_it(live):
     assert len(tokenizer.encode(reasoning)) >= 3
     assert held["finish_reason"] == "stop"
     jsonschema.validate(json.loads(held["message"]["content"]), PERSON)
+    # a forced tool call comes after the reasoning the model writes with no call forced
+    loose = dict(WEATHER, function={**WEATHER["function"], "strict": False})
+    free = post(live, CHAT, chat(tools=[loose], **fields))["choices"][0]
+    called = post(live, CHAT, chat(tools=[loose], tool_choice="required",
+                                   parallel_tool_calls=False, **fields))["choices"][0]
+    assert free["message"].get("reasoning_content")
+    assert called["message"]["reasoning_content"] == free["message"]["reasoning_content"]
+    assert called["finish_reason"] == "tool_calls"
+    [call] = called["message"]["tool_calls"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]),
+                        WEATHER["function"]["parameters"])
 
 
 def test_logprobs_are_after_the_mask(live):
