@@ -253,9 +253,12 @@ def create_app(server: Server) -> FastAPI:
                 ids, boundaries, shared, parser = completion_ids(server, body), (), 0, None
                 limit = body.max_tokens
             params = sampling(body, len(ids), server.settings, limit, stop_ids)
-            room = None if limit is not None else server.settings.max_context - len(ids) - 1
-            params = await formats.constrain(server, body, params, reasoning=thinking,
-                                             room=room)
+            answer, field = formats.answer_format(body)
+            params = await formats.constrain(
+                server, params, answer=answer, field=field,
+                calls=formats.chat_tool_calls(body) if chat else None,
+                bias=formats.logit_bias(body, server.vocab_size), reasoning=thinking,
+                room=None if limit is not None else server.settings.max_context - len(ids) - 1)
             gen = Generation(
                 server, route="openai-chat" if chat else "openai-completion",
                 prompt=tuple(ids), session=session, tenant=tenant, params=params,

@@ -7,9 +7,12 @@ An answer format comes from one field at most: OpenAI's `response_format` (`json
 `guided_grammar`. A chat's tool choice adds tool calls: "required" or a named function
 forces them; in "auto", strict tools' arguments are held to their schemas.
 
-Everything is checked before the request is queued: a format that cannot be built, a
-grammar that does not compile (in a worker thread, within the server's timeout) or is too
-large is a 400 naming the field and the problem.
+`constrain` takes what any API asked for (an answer format, tool calls, a logit bias) and
+puts the compiled grammar into the request's sampling parameters: everything is checked
+before the request is queued, and a format that cannot be built, a grammar that does not
+compile (in a worker thread, within the server's timeout) or is too large is a 400 naming
+the field and the problem. `answer_format`, `chat_tool_calls` and `logit_bias` read chat
+and text completions' fields; `tool_calls` reads any API's tool choice.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from ..engine.grammar import GrammarError
@@ -76,19 +80,28 @@ def _schema(value: dict | str, field: str) -> dict[str, Any]:
     return value
 
 
-def tool_calls(body: ChatRequest) -> ToolCalls | None:
-    """The tool calls a chat's tool choice asks for (None: no tools, or choice "none")."""
-    if not body.tools or body.tool_choice == "none":
+def tool_calls(tools: Sequence[ToolFormat], choice: str | None,
+               parallel: bool | None = None) -> ToolCalls | None:
+    """The tool calls a tool choice asks for: `choice` "auto" (or None), "none",
+    "required" or the name of the function to call (None: no tools, or "none")."""
+    if not tools or choice == "none":
         return None
-    tools = tuple(ToolFormat(t.function.name, t.function.parameters, bool(t.function.strict))
-                  for t in body.tools)
-    parallel = body.parallel_tool_calls is not False
-    if isinstance(body.tool_choice, NamedToolChoice):
-        named = body.tool_choice.function["name"]
-        return ToolCalls(tuple(t for t in tools if t.name == named), "named", False)
-    if body.tool_choice == "required":
-        return ToolCalls(tools, "required", parallel)
-    return ToolCalls(tools, "auto", parallel)
+    parallel = parallel is not False
+    if choice in (None, "auto"):
+        return ToolCalls(tuple(tools), "auto", parallel)
+    if choice == "required":
+        return ToolCalls(tuple(tools), "required", parallel)
+    return ToolCalls(tuple(t for t in tools if t.name == choice), "named", False)
+
+
+def chat_tool_calls(body: ChatRequest) -> ToolCalls | None:
+    """A chat completion's tools and tool choice, as `tool_calls` reads them."""
+    tools = [ToolFormat(t.function.name, t.function.parameters, bool(t.function.strict))
+             for t in body.tools or ()]
+    choice = body.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        choice = choice.function["name"]
+    return tool_calls(tools, choice, body.parallel_tool_calls)
 
 
 def logit_bias(body: SamplingFields, vocab_size: int) -> tuple[tuple[int, float], ...]:
@@ -99,23 +112,24 @@ def logit_bias(body: SamplingFields, vocab_size: int) -> tuple[tuple[int, float]
     return pairs
 
 
-async def constrain(server, body: SamplingFields, params: SamplingParams, *,
-                    reasoning: bool, room: int | None) -> SamplingParams:
-    """`params` with the request's grammar (compiled, or a 400) and logit bias.
-    `reasoning`: the prompt left a reasoning block open, so the grammar starts after its
-    end token; `room`: the most tokens the reply may have when the client set no max_tokens
-    (None when it did): a strict, bounded document then gets the room to complete."""
-    bias = logit_bias(body, server.vocab_size)
-    answer, field = answer_format(body)
-    calls = tool_calls(body) if isinstance(body, ChatRequest) else None
+async def constrain(server, params: SamplingParams, *, answer: OutputFormat | None,
+                    field: str | None, calls: ToolCalls | None,
+                    bias: tuple[tuple[int, float], ...] = (), reasoning: bool,
+                    room: int | None) -> SamplingParams:
+    """`params` with a reply's grammar (compiled, or a 400 naming `field`: the request
+    field the answer format came from) and logit bias. `reasoning`: the prompt left a
+    reasoning block open, so the grammar starts after its end token; `room`: the most
+    tokens the reply may have when the client set no max_tokens (None when it did): a
+    strict, bounded document then gets the room to complete. Every API's adapter reads its
+    own fields into `answer`, `calls` and `bias` and calls this."""
     special = server.tokenizer.special
+    param = field or "tools"
     try:
         grammar = reply_grammar(answer, calls, after_reasoning=reasoning)
     except ValueError as exc:
-        raise bad_request(f"{field or 'tools'}: {exc}", field or "tools") from None
+        raise bad_request(f"{param}: {exc}", param) from None
     if grammar is None:
         return dataclasses.replace(params, logit_bias=bias) if bias else params
-    param = field or "tools"
     if calls is not None and (special.tool_call_start is None or special.tool_call_end is None):
         raise bad_request("this model's tokenizer has no tool-call tokens to constrain "
                           "calls with", param)
