@@ -6,7 +6,9 @@ llguidance's resource limits, and caches the result under the text's hash
 (`lifecycle.request.grammar_hash`); every request gets a copy of the compiled matcher, so a
 request's grammar state starts the same however often the grammar is used.
 
-No torch here: the server compiles (and refuses) grammars before anything is queued.
+No torch here: the server compiles (and refuses) grammars before anything is queued. And
+llguidance is imported when grammars are first made, so the engine loads without it (the
+GPU machine's benches carry no wheel of it).
 """
 
 from __future__ import annotations
@@ -14,8 +16,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-
-import llguidance
+from typing import Any
 
 from ..lifecycle.request import grammar_hash
 
@@ -53,10 +54,12 @@ class Grammars:
             raise ValueError("a grammar needs at least one end-of-text token")
         self.vocab_size = vocab_size
         self.end_tokens = tuple(sorted(set(end_tokens)))
+        import llguidance
+        self._llg = llguidance
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                                 eos_token=list(self.end_tokens))
         self.limits = llguidance.LLParserLimits(verbose_errors=False)
-        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._cache: OrderedDict[str, Any] = OrderedDict()   # hash -> a pristine matcher
         self._size = cache
         self._lock = threading.Lock()
         self.compiled = 0            # grammars compiled (cache misses), for tests and metrics
@@ -74,11 +77,11 @@ class Grammars:
         if size > MAX_GRAMMAR_BYTES:
             raise GrammarError(f"the grammar is {size:,} bytes, over the limit of "
                                f"{MAX_GRAMMAR_BYTES:,}")
-        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        failed, messages = self._llg.LLMatcher.validate_grammar_with_warnings(
             grammar, self.tokenizer, limits=self.limits)
         if failed:
             raise GrammarError(_one_line(messages[0]))
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
+        matcher = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
         if matcher.is_error():
             raise GrammarError(_one_line(matcher.get_error()))
         with self._lock:
@@ -88,7 +91,7 @@ class Grammars:
                 self._cache.popitem(last=False)
         return key
 
-    def matcher(self, grammar: str) -> llguidance.LLMatcher:
+    def matcher(self, grammar: str) -> Any:
         """A fresh matcher of `grammar` (at its start), compiled once."""
         key = self.compile(grammar)
         with self._lock:
@@ -96,7 +99,7 @@ class Grammars:
             if pristine is not None:
                 return pristine.deep_copy()
         # dropped between the two looks by a burst of other grammars: compile this one anew
-        return llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
+        return self._llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
 
     @classmethod
     def for_tokenizer(cls, tokenizer, vocab_size: int, **kw) -> Grammars:
