@@ -23,6 +23,7 @@ from .generation import Settings
 from .history import History
 from .metrics import CONTENT_TYPE, EngineFigures, Metrics, engine_snapshot
 from .reading import ClientGone, read_json, validate
+from .responses_api import router as responses_router
 from .schemas import ChatRequest, CompletionRequest
 from .streaming import GenerationResponse, Shape
 from .submission import check_ready, start
@@ -69,6 +70,7 @@ def create_app(server: Server) -> FastAPI:
     app = FastAPI(title="ninfer", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
     errors.install(app)
+    app.include_router(responses_router)
 
     async def generate(request: Request, chat: bool):
         arrival = time.time()

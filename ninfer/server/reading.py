@@ -53,15 +53,18 @@ async def read_json(request: Request, limit: int) -> dict:
     return data
 
 
-def validate(model: type, data: dict):
+def validate(model: type, data: dict, tags: frozenset[str] = frozenset()):
+    """`data` as `model`, or a 400 naming the field at fault; `tags` are the names of
+    discriminated unions' branches, left out of that name."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         # in a union, the branch whose type matched says more than the ones that did not
         ranked = sorted(exc.errors(include_url=False),
-                        key=lambda e: (e["type"].endswith("_type"), -len(_field_path(e["loc"]))))
+                        key=lambda e: (e["type"].endswith("_type"),
+                                       -len(_field_path(e["loc"], tags))))
         first = ranked[0]
-        param = ".".join(str(p) for p in _field_path(first["loc"])) or None
+        param = ".".join(str(p) for p in _field_path(first["loc"], tags)) or None
         message = first["msg"].removeprefix("Value error, ")
         raise bad_request(f"{param}: {message}" if param else message, param) from None
 
@@ -69,9 +72,10 @@ def validate(model: type, data: dict):
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 
-def _field_path(loc: tuple) -> tuple:
+def _field_path(loc: tuple, tags: frozenset[str] = frozenset()) -> tuple:
     """A pydantic location without its union-branch tags (`str`, `list[str]`, ...)."""
     return tuple(p for p in loc if isinstance(p, int) or (
-        p not in _TYPE_TAGS and "[" not in p and not p.startswith("function-")))
+        p not in _TYPE_TAGS and p not in tags and "[" not in p
+        and not p.startswith("function-")))
 
 

@@ -112,7 +112,8 @@ def sampling_params(sampling: Sampling, prompt_len: int, settings: Settings,
         raise ApiError(400, f"this model's maximum context length is {settings.max_context} "
                             f"tokens; the prompt has {prompt_len} and max_tokens asks for "
                             f"{limit}", param="max_tokens", code="context_length_exceeded")
-    max_tokens = limit if limit is not None else min(settings.default_max_tokens, room)
+    default = room if sampling.open_ended else min(settings.default_max_tokens, room)
+    max_tokens = limit if limit is not None else default
     if sampling.min_tokens and sampling.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({sampling.min_tokens}) is more than max_tokens "
                           f"({max_tokens})", "min_tokens")

@@ -94,6 +94,9 @@ class Sampling(NamedTuple):
     """How tokens are chosen and when the reply ends. None: the server's default."""
 
     max_tokens: int | None = None      # None: the server's default, capped by the context
+    # with no max_tokens, the reply may run to the context's end (as OpenAI's Responses API
+    # does) rather than stop at the server's --default-max-tokens
+    open_ended: bool = False
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -148,8 +151,11 @@ class UnifiedRequest:
         return bool(self.tools) and self.tool_choice != "none"
 
     def instructions(self) -> list[str]:
-        """The system messages' texts, in order (before any merging)."""
-        return [m.content for m in self.messages if m.role == "system"]
+        """The system messages' texts, in order: one text when they are merged, so the same
+        instructions split another way (an API's `instructions` and a developer message)
+        name the same conversation."""
+        texts = [m.content for m in self.messages if m.role == "system"]
+        return ["\n\n".join(texts)] if self.merge_system and texts else texts
 
     def first_user(self) -> str | None:
         return next((m.content for m in self.messages if m.role == "user"), None)
@@ -158,9 +164,9 @@ class UnifiedRequest:
         """The messages as the template reads them, system ones merged when asked."""
         messages = list(self.messages)
         if self.merge_system:
-            system = "\n\n".join(self.instructions())
+            system = self.instructions()
             rest = [m for m in messages if m.role != "system"]
-            messages = ([ChatMessage("system", system)] if system else []) + rest
+            messages = [ChatMessage("system", text) for text in system] + rest
         return [m.for_template() for m in messages]
 
     def template_tools(self) -> list[dict[str, Any]] | None:
