@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import itertools
 import logging
 import secrets
@@ -17,7 +18,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ..engine.thread import EngineThread
 from ..model.template import ChatTemplate
 from ..model.tokenizer import Tokenizer
-from . import errors, sessions
+from . import errors, openapi, sessions
+from .bodies import Evicted, Health, ModelCard, ModelList
 from .errors import ApiError, bad_request
 from .generation import Settings
 from .history import History
@@ -66,11 +68,22 @@ class Server:
         return self.thread is not None and self.thread.alive
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("ninfer")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout not installed
+        return "0"
+
+
 def create_app(server: Server) -> FastAPI:
-    app = FastAPI(title="ninfer", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="ninfer", version=_version(), docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json",
+                  description="OpenAI's chat completions, completions and Responses API on "
+                              "one engine; errors in OpenAI's shape.")
     app.state.server = server
     errors.install(app)
     app.include_router(responses_router)
+    openapi.install(app)
 
     async def generate(request: Request, chat: bool):
         arrival = time.time()
@@ -105,16 +118,15 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request):
         sessions.authenticate(request.headers, server.settings.api_keys)
-        return {"object": "list", "data": [{
-            "id": server.settings.model_id, "object": "model", "created": 0, "owned_by": "ninfer",
-            "max_model_len": server.settings.max_context}]}
+        card = ModelCard(id=server.settings.model_id, max_model_len=server.settings.max_context)
+        return JSONResponse(ModelList(data=[card]).model_dump())
 
     @app.get("/health")
     async def health():
         if not server.ready or not server.alive:
             status = "failed" if server.failed else "loading" if not server.ready else "stopped"
             return ApiError(503, status, code="not_ready", retry_after=2).response()
-        return {"status": "ok"}
+        return JSONResponse(Health().model_dump())
 
     @app.get("/metrics")
     async def metrics():
@@ -138,7 +150,7 @@ def create_app(server: Server) -> FastAPI:
             return len(ids)
 
         count = await asyncio.wrap_future(server.thread.call(evict))
-        return JSONResponse({"evicted": count})
+        return JSONResponse(Evicted(evicted=count).model_dump())
 
     return app
 
