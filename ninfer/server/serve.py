@@ -60,9 +60,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8080, help="port to listen on")
     p.add_argument("--model-id", default=None,
                    help="the model name clients send (default: the model's name)")
-    p.add_argument("--max-context", type=_positive, default=8192,
+    p.add_argument("--max-context", type=_positive, default=32_768,
                    help="most tokens per request, prompt and output together")
-    p.add_argument("--kv-capacity", type=_positive, default=65_536,
+    p.add_argument("--kv-capacity", type=_positive, default=131_072,
                    help="KV positions the block pool holds, shared by lanes and endpoints")
     p.add_argument("--max-concurrency", type=_concurrency, default=2,
                    help="requests prefilling or decoding at once (1-8)")
