@@ -11,7 +11,7 @@ system message. Consecutive assistant items (reasoning, message, calls) are one 
 
 Tools: `function`; `custom` (freeform), presented to the model as a function of one string
 parameter `input`; `namespace`, whose tools are presented as `NAMESPACE.NAME`; any other
-(built-in) type is dropped with one warning line in the log.
+(built-in) type is dropped, with one warning line in the log the first time a type is seen.
 
 This server keeps no responses: `store` is accepted and ignored, `previous_response_id`
 and `conversation` get a 400 asking for the whole input, `background` a 400."""
@@ -63,6 +63,7 @@ from .unified import ChatMessage, PinnedText, Sampling, ToolCallRecord, ToolSpec
 log = logging.getLogger("ninfer.server")
 
 ROUTE = "openai-responses"
+_WARNED: set[str] = set()   # built-in tool types already named in the log
 
 
 # --- conversion ---------------------------------------------------------------------------
@@ -116,9 +117,11 @@ def convert_tools(tools: list | None) -> tuple[tuple[ToolSpec, ...], dict[str, C
             add(tool, None)
         else:
             dropped.append(tool.type)
-    if dropped:
-        log.warning("responses: dropped tools this server does not run: %s",
-                    ", ".join(sorted(set(dropped))))
+    unseen = sorted(set(dropped) - _WARNED)
+    if unseen:   # once per tool type: an agent sends its built-in tools with every turn
+        _WARNED.update(unseen)
+        log.warning("responses: dropped tools this server does not run: %s (said once)",
+                    ", ".join(unseen))
     return tuple(specs), called
 
 
