@@ -3,7 +3,8 @@ tiny model, in one process (uvicorn on loopback; clients on threads, so on a sma
 they share the cores with the server: the figures are an upper bound on overhead).
 
 Measures: time to first token (cold prompt, and the next turn reusing it), streaming
-overhead per token over the bare engine, total tokens/s at 1/4/8 concurrent streams, and
+overhead per token over the bare engine (chat completions, and the Responses API against it:
+the same prompt and output, runs alternated), total tokens/s at 1/4/8 concurrent streams, and
 disconnect-to-cancel latency (client cut to RequestCancelled, and in engine steps)."""
 
 from __future__ import annotations
@@ -74,6 +75,29 @@ def _stream(url: str, body: dict, headers: dict | None = None) -> dict:
     return {"ttft": first, "total": time.perf_counter() - start, "usage": usage}
 
 
+def _stream_responses(url: str, body: dict, headers: dict | None = None) -> dict:
+    """One streaming request of the Responses API, measured as `_stream` measures chat
+    completions: time to the first text delta, total time, and usage in chat's terms."""
+    import httpx
+    start = time.perf_counter()
+    first = None
+    usage = None
+    with httpx.stream("POST", url + "/v1/responses", json={**body, "stream": True},
+                      headers=headers or {}, timeout=600) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            if first is None and event["type"].endswith("_text.delta"):
+                first = time.perf_counter() - start
+            elif event["type"] in ("response.completed", "response.incomplete"):
+                u = event["response"]["usage"]
+                usage = {"prompt_tokens": u["input_tokens"],
+                         "completion_tokens": u["output_tokens"],
+                         "prompt_tokens_details": u["input_tokens_details"]}
+    return {"ttft": first, "total": time.perf_counter() - start, "usage": usage}
+
+
 def _bare_engine_seconds(args, prompt_ids: tuple[int, ...]) -> tuple[float, float]:
     """Prefill and decode time of one request on a bare engine (no HTTP)."""
     from ..engine.engine import Engine, EngineConfig, Submit
@@ -132,13 +156,27 @@ def main(spec: str = "none", threads: int = 1, json_path: str | None = None) -> 
     ids = tuple(om.tokenizer.encode(om.template.render(short, add_generation_prompt=True,
                                                        enable_thinking=False)))
     server.thread.step_delay = 0
-    runs = [_stream(url, {**body, "messages": short}) for _ in range(3)]
+    # chat completions and the Responses API alternated, the same prompt and greedy output
+    responses_body = {"max_output_tokens": OUTPUT, "temperature": 0,
+                      "reasoning": {"effort": "none"}, "input": short}
+    runs, responses_runs = [], []
+    for _ in range(3):
+        runs.append(_stream(url, {**body, "messages": short}))
+        responses_runs.append(_stream_responses(url, responses_body))
     http_decode = min(r["total"] - r["ttft"] for r in runs)
+    responses_decode = min(r["total"] - r["ttft"] for r in responses_runs)
     bare_prefill, bare_decode = _bare_engine_seconds(argparse.Namespace(spec=spec), ids)
     results["bare_decode_ms_per_token"] = 1000 * bare_decode / (OUTPUT - 1)
     results["http_decode_ms_per_token"] = 1000 * http_decode / (OUTPUT - 1)
     results["stream_overhead_ms_per_token"] = (results["http_decode_ms_per_token"]
                                                - results["bare_decode_ms_per_token"])
+    results["responses_output_tokens"] = min(r["usage"]["completion_tokens"]
+                                             for r in responses_runs)
+    results["responses_decode_ms_per_token"] = 1000 * responses_decode / (OUTPUT - 1)
+    results["responses_stream_overhead_ms_per_token"] = (
+        results["responses_decode_ms_per_token"] - results["bare_decode_ms_per_token"])
+    # the Responses API's decode per token over chat completions' (goal: within 10%)
+    results["responses_vs_chat_decode"] = responses_decode / http_decode
 
     # total tokens/s at 1, 4, 8 concurrent streams
     for n in (1, 4, 8):
@@ -203,7 +241,12 @@ def main(spec: str = "none", threads: int = 1, json_path: str | None = None) -> 
             ("decode per token: bare engine / over HTTP streaming",
              f"{results['bare_decode_ms_per_token']:.2f} / "
              f"{results['http_decode_ms_per_token']:.2f} ms"),
-            ("streaming overhead per token", f"{results['stream_overhead_ms_per_token']:.2f} ms")]
+            ("streaming overhead per token", f"{results['stream_overhead_ms_per_token']:.2f} ms"),
+            ("Responses API: decode per token / overhead per token",
+             f"{results['responses_decode_ms_per_token']:.2f} / "
+             f"{results['responses_stream_overhead_ms_per_token']:.2f} ms"),
+            ("Responses API decode per token over chat completions'",
+             f"{100 * (results['responses_vs_chat_decode'] - 1):+.1f}%")]
     rows += [(f"total tokens/s, {n} concurrent streams",
               f"{results[f'tokens_per_s_{n}_streams']:.0f}") for n in (1, 4, 8)]
     rows.append(("client close to journaled RequestCancelled, median / max",
@@ -225,8 +268,9 @@ def main(spec: str = "none", threads: int = 1, json_path: str | None = None) -> 
 def add_bench_parser(bench_subparsers) -> argparse.ArgumentParser:
     """`ninfer bench serve` (its func is `run`)."""
     p = bench_subparsers.add_parser(
-        "serve", help="HTTP server vs bare engine: TTFT, streaming overhead per token, "
-                      "tokens/s at 1/4/8 streams, disconnect-to-cancel latency")
+        "serve", help="HTTP server vs bare engine: TTFT, streaming overhead per token (chat "
+                      "completions, and the Responses API against it), tokens/s at 1/4/8 "
+                      "streams, disconnect-to-cancel latency")
     p.add_argument("--spec", choices=["none", "mtp", "ngram"], default="none")
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--json", default=None, help="also write the results to this file")

@@ -189,7 +189,7 @@ class Engine:
             work(live)
         except (MissingStatePart, KeyError, IndexError) as exc:
             log.error("request %s failed: %s", live.request.id, exc, exc_info=True)
-            self.exits.fail(live.request, "internal", str(exc))
+            self._fail_internal(live.request, str(exc))
         except ConstraintError as exc:  # the request's grammar, not the engine, is at fault
             log.warning("request %s failed: %s", live.request.id, exc)
             self.exits.fail(live.request, "invalid", str(exc))
@@ -311,8 +311,7 @@ class Engine:
             self.exits.cancel(live.request)
 
     def _verify(self, lives: list[Live]) -> None:
-        fail = lambda request, message: self.exits.fail(request, "internal", message)  # noqa: E731
-        for verified in self.rounds.verify(lives, fail):
+        for verified in self.rounds.verify(lives, self._fail_internal):
             live = verified.live
             if verified.out is None:
                 live.round = None
@@ -323,6 +322,9 @@ class Engine:
         stop = self.rounds.commit(live, out)
         if stop is not None:
             self._stop(live.request, stop)
+
+    def _fail_internal(self, request: Request, message: str) -> None:
+        self.exits.fail(request, "internal", message)
 
     def _stop(self, request: Request, reason: str) -> None:
         request.stop_reason = reason

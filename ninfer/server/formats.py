@@ -1,18 +1,20 @@
-"""What a chat or text completion asks its output to match, read from its fields into the
-grammar the engine holds it to (reply_grammar.py), and its logit bias.
+"""What a request asks its output to match, read into the grammar the engine holds it to
+(reply_grammar.py), and its logit bias.
 
-An answer format comes from one field at most: OpenAI's `response_format` (`json_object`,
-`json_schema` with `strict`), vLLM's `structured_outputs` (`json`, `regex`, `choice`,
-`grammar`, `json_object`) or its older `guided_json`, `guided_regex`, `guided_choice`,
-`guided_grammar`. A chat's tool choice adds tool calls: "required" or a named function
-forces them; in "auto", strict tools' arguments are held to their schemas.
+An answer format comes from one field at most. Chat and text completions: OpenAI's
+`response_format` (`json_object`, `json_schema` with `strict`), vLLM's `structured_outputs`
+(`json`, `regex`, `choice`, `grammar`, `json_object`) or its older `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar` (`answer_format`). Other APIs read their own
+field into an `AskedFormat` (the Responses API's `text.format`). A tool choice adds tool
+calls (`tool_calls`): "required" or a named function forces them; in "auto", strict tools'
+arguments are held to their schemas.
 
-`constrain` takes what any API asked for (an answer format, tool calls, a logit bias) and
-puts the compiled grammar into the request's sampling parameters: everything is checked
-before the request is queued, and a format that cannot be built, a grammar that does not
-compile (in a worker thread, within the server's timeout) or is too large is a 400 naming
-the field and the problem. `answer_format`, `chat_tool_calls` and `logit_bias` read chat
-and text completions' fields; `tool_calls` reads any API's tool choice.
+`constrain` takes what a request asked for (an answer format, tool calls, a logit bias) and
+puts the compiled grammar into its sampling parameters; the path underneath every API
+(submission.py) calls it. Everything is checked before the request is queued: a format that
+cannot be built, a grammar that does not compile (in a worker thread, within the server's
+timeout) or is too large, a biased token outside the vocabulary is a 400 naming the field and
+the problem.
 """
 
 from __future__ import annotations
@@ -21,28 +23,35 @@ import asyncio
 import dataclasses
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..engine.grammar import GrammarError
 from ..lifecycle.request import SamplingParams
 from .errors import ApiError, bad_request
 from .reply_grammar import OutputFormat, ToolCalls, ToolFormat, document_bound, reply_grammar
-from .schemas import ChatRequest, NamedToolChoice, SamplingFields
+from .schemas import SamplingFields
 
 GUIDED = (("guided_json", "json_schema"), ("guided_regex", "regex"),
           ("guided_choice", "choice"), ("guided_grammar", "lark"))
 
 
-def answer_format(body: SamplingFields) -> tuple[OutputFormat | None, str | None]:
-    """The answer's format and the field that asked for it (None, None: free text)."""
-    found: list[tuple[OutputFormat, str]] = []
+class AskedFormat(NamedTuple):
+    """An answer format and the request field that asked for it (a 400's `param`)."""
+
+    format: OutputFormat
+    field: str
+
+
+def answer_format(body: SamplingFields) -> AskedFormat | None:
+    """A chat or text completion's answer format (None: free text)."""
+    found: list[AskedFormat] = []
     rf = body.response_format
     if rf is not None and rf.type == "json_object":
-        found.append((OutputFormat("json_object"), "response_format"))
+        found.append(AskedFormat(OutputFormat("json_object"), "response_format"))
     elif rf is not None and rf.type == "json_schema":
         js = rf.json_schema
-        found.append((OutputFormat("json_schema", js.schema_, bool(js.strict)),
-                      "response_format"))
+        found.append(AskedFormat(OutputFormat("json_schema", js.schema_, bool(js.strict)),
+                                 "response_format"))
     so = body.structured_outputs
     if so is not None:
         if so.json_ is not None:
@@ -55,17 +64,17 @@ def answer_format(body: SamplingFields) -> tuple[OutputFormat | None, str | None
             fmt = OutputFormat("lark", so.grammar)
         else:
             fmt = OutputFormat("json_object")
-        found.append((fmt, "structured_outputs"))
+        found.append(AskedFormat(fmt, "structured_outputs"))
     for field, kind in GUIDED:
         value = getattr(body, field)
         if value is not None:
             spec = _schema(value, field) if kind == "json_schema" else value
-            found.append((OutputFormat(kind, tuple(spec) if kind == "choice" else spec),
-                          field))
+            found.append(AskedFormat(
+                OutputFormat(kind, tuple(spec) if kind == "choice" else spec), field))
     if len(found) > 1:
-        fields = ", ".join(f for _, f in found)
-        raise bad_request(f"give one output format, not several ({fields})", found[1][1])
-    return found[0] if found else (None, None)
+        fields = ", ".join(f.field for f in found)
+        raise bad_request(f"give one output format, not several ({fields})", found[1].field)
+    return found[0] if found else None
 
 
 def _schema(value: dict | str, field: str) -> dict[str, Any]:
@@ -94,38 +103,23 @@ def tool_calls(tools: Sequence[ToolFormat], choice: str | None,
     return ToolCalls(tuple(t for t in tools if t.name == choice), "named", False)
 
 
-def chat_tool_calls(body: ChatRequest) -> ToolCalls | None:
-    """A chat completion's tools and tool choice, as `tool_calls` reads them."""
-    tools = [ToolFormat(t.function.name, t.function.parameters, bool(t.function.strict))
-             for t in body.tools or ()]
-    choice = body.tool_choice
-    if isinstance(choice, NamedToolChoice):
-        choice = choice.function["name"]
-    return tool_calls(tools, choice, body.parallel_tool_calls)
-
-
-def logit_bias(body: SamplingFields, vocab_size: int) -> tuple[tuple[int, float], ...]:
-    """The logit bias as (token id, bias) pairs, ids checked against the vocabulary."""
-    pairs = tuple(sorted((int(k), float(v)) for k, v in (body.logit_bias or {}).items()))
-    if any(t >= vocab_size for t, _ in pairs):
-        raise bad_request(f"logit_bias: token ids must be in [0, {vocab_size})", "logit_bias")
-    return pairs
-
-
-async def constrain(server, params: SamplingParams, *, answer: OutputFormat | None,
-                    field: str | None, calls: ToolCalls | None,
-                    bias: tuple[tuple[int, float], ...] = (), reasoning: bool,
-                    room: int | None) -> SamplingParams:
-    """`params` with a reply's grammar (compiled, or a 400 naming `field`: the request
-    field the answer format came from) and logit bias. `reasoning`: the prompt left a
-    reasoning block open, so the grammar starts after its end token; `room`: the most
-    tokens the reply may have when the client set no max_tokens (None when it did): a
-    strict, bounded document then gets the room to complete. Every API's adapter reads its
-    own fields into `answer`, `calls` and `bias` and calls this."""
+async def constrain(server, params: SamplingParams, *, answer: AskedFormat | None,
+                    calls: ToolCalls | None, bias: tuple[tuple[int, float], ...] = (),
+                    reasoning: bool, room: int | None) -> SamplingParams:
+    """`params` with a reply's grammar (compiled, or a 400 naming the field the answer
+    format came from, else `tools`) and logit bias ((token id, bias) pairs; an id outside
+    the vocabulary is a 400 naming `logit_bias`). `reasoning`: the prompt left a reasoning
+    block open, so the grammar starts after its end token; `room`: the most tokens the reply
+    may have when the client set no max_tokens (None when it did): a strict, bounded
+    document then gets the room to complete."""
+    if any(not 0 <= t < server.vocab_size for t, _ in bias):
+        raise bad_request(f"logit_bias: token ids must be in [0, {server.vocab_size})",
+                          "logit_bias")
     special = server.tokenizer.special
-    param = field or "tools"
+    param = answer.field if answer is not None else "tools"
+    fmt = answer.format if answer is not None else None
     try:
-        grammar = reply_grammar(answer, calls, after_reasoning=reasoning)
+        grammar = reply_grammar(fmt, calls, after_reasoning=reasoning)
     except ValueError as exc:
         raise bad_request(f"{param}: {exc}", param) from None
     if grammar is None:
@@ -145,8 +139,8 @@ async def constrain(server, params: SamplingParams, *, answer: OutputFormat | No
         raise ApiError(400, f"{param}: the grammar took longer than {timeout:g} s to compile",
                        param=param, code="grammar_too_complex") from None
     max_tokens = params.max_tokens
-    if room is not None and answer is not None and answer.strict and not reasoning:
-        bound = document_bound(answer.spec) if answer.kind == "json_schema" else None
+    if room is not None and fmt is not None and fmt.strict and not reasoning:
+        bound = document_bound(fmt.spec) if fmt.kind == "json_schema" else None
         if bound is not None:  # every token is a byte or more, and the end token
             max_tokens = max(max_tokens, min(bound + 1, room))
     return dataclasses.replace(

@@ -47,12 +47,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL (an HF directory or a .ninfer file; the embedded tiny default "
-                    "when omitted) at /v1/chat/completions, /v1/completions, /v1/models, "
-                    "/health and /metrics. A conversation's session key comes from the "
-                    "X-Session-Id header, else the session_id body field, else the "
-                    "prompt_cache_key body field, else (unless --no-derive-session-keys) from "
-                    "the instructions and first user message. The tenant is the API key "
-                    "together with the request's cache_salt.",
+                    "when omitted) at /v1/chat/completions, /v1/completions, /v1/responses, "
+                    "/v1/models, /health and /metrics, described at /openapi.json and /docs. "
+                    "A conversation's session key comes from the X-Session-Id header, else "
+                    "the session_id body field, else the prompt_cache_key body field, else "
+                    "(unless --no-derive-session-keys) from the instructions and first user "
+                    "message. The tenant is the API key together with the request's "
+                    "cache_salt.",
         formatter_class=_Defaults)
     p.add_argument("model", nargs="?", default=None,
                    help="model directory or .ninfer file (default: the embedded tiny model)")
@@ -60,9 +61,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8080, help="port to listen on")
     p.add_argument("--model-id", default=None,
                    help="the model name clients send (default: the model's name)")
-    p.add_argument("--max-context", type=_positive, default=8192,
+    p.add_argument("--max-context", type=_positive, default=32_768,
                    help="most tokens per request, prompt and output together")
-    p.add_argument("--kv-capacity", type=_positive, default=65_536,
+    p.add_argument("--kv-capacity", type=_positive, default=131_072,
                    help="KV positions the block pool holds, shared by lanes and endpoints")
     p.add_argument("--max-concurrency", type=_concurrency, default=2,
                    help="requests prefilling or decoding at once (1-8)")
@@ -101,7 +102,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "prompt, so a client that rewrites recent history resumes from the "
                         "nearest one (0: none)")
     p.add_argument("--default-max-tokens", type=_positive, default=512,
-                   help="output limit when a request sets none (capped by the context)")
+                   help="output limit when a chat or text completion sets none (capped by "
+                        "the context); a Responses API request without max_output_tokens "
+                        "runs to the context's end, as OpenAI's does")
     p.add_argument("--journal", default=None,
                    help=f"event journal (SQLite) path (default {default_journal()})")
     p.add_argument("--journal-content", choices=["tokens", "hashes"], default="tokens",
