@@ -13,6 +13,11 @@ Tools: `function`; `custom` (freeform), presented to the model as a function of 
 parameter `input`; `namespace`, whose tools are presented as `NAMESPACE.NAME`; any other
 (built-in) type is dropped, with one warning line in the log the first time a type is seen.
 
+Constrained output, as on chat completions (formats.py): `text.format` `json_schema` (with
+`strict`) or `json_object` holds the answer to a grammar, `tool_choice` `required` (or
+`allowed_tools` with mode `required`) and a named tool force well-formed calls; a format
+that cannot be built is a 400 naming `text.format` (or `tools`).
+
 This server keeps no responses: `store` is accepted and ignored, `previous_response_id`
 and `conversation` get a 400 asking for the whole input, `background` a 400."""
 
@@ -28,8 +33,18 @@ from fastapi.responses import PlainTextResponse
 
 from . import sessions
 from .errors import ApiError
+from .formats import AskedFormat
 from .reading import ClientGone, read_json, validate
-from .responses_bodies import CustomToolEcho, FunctionToolEcho, NamedToolChoice, NamespaceToolEcho
+from .reply_grammar import OutputFormat
+from .responses_bodies import (
+    CustomToolEcho,
+    FunctionToolEcho,
+    NamedToolChoice,
+    NamespaceToolEcho,
+    TextOptions,
+)
+from .responses_bodies import JsonObjectFormat as JsonObjectEcho
+from .responses_bodies import JsonSchemaFormat as JsonSchemaEcho
 from .responses_schema import (
     TAGS,
     AllowedTools,
@@ -38,6 +53,8 @@ from .responses_schema import (
     CustomToolCallItem,
     FunctionCallItem,
     FunctionTool,
+    JsonObjectFormat,
+    JsonSchemaFormat,
     MessageItem,
     NamedTool,
     NamespaceTool,
@@ -183,6 +200,17 @@ class _Turns:
         self._open = False
 
 
+def answer_of(body: ResponsesRequest) -> AskedFormat | None:
+    """`text.format` as the answer's format (None: free text)."""
+    fmt = body.text.format if body.text is not None else None
+    if isinstance(fmt, JsonSchemaFormat):
+        return AskedFormat(OutputFormat("json_schema", fmt.schema_, bool(fmt.strict)),
+                           "text.format")
+    if isinstance(fmt, JsonObjectFormat):
+        return AskedFormat(OutputFormat("json_object"), "text.format")
+    return None
+
+
 class SealedText(NamedTuple):
     reasoning: str
     text: str                 # what the sealed ids decode to
@@ -229,8 +257,8 @@ def to_unified(body: ResponsesRequest, *, model: str, vocab_size: int, decode) -
         reasoning=reasoning_switch(effort),
         sampling=Sampling(max_tokens=body.max_output_tokens, open_ended=True,
                           temperature=body.temperature, top_p=body.top_p),
-        key_sources=(KeySource("cache", body.prompt_cache_key),), derive_key=True,
-        cache_salt=body.cache_salt, merge_system=True, pinned=tuple(turns.pinned))
+        answer=answer_of(body), key_sources=(KeySource("cache", body.prompt_cache_key),),
+        derive_key=True, cache_salt=body.cache_salt, merge_system=True, pinned=tuple(turns.pinned))
     return Converted(request, called)
 
 
@@ -259,13 +287,20 @@ def echo_of(body: ResponsesRequest) -> Echo:
     elif isinstance(choice, AllowedTools):
         choice = choice.mode
     reasoning = body.reasoning or ReasoningOptions()
+    fmt = body.text.format if body.text is not None else None
+    text = TextOptions()
+    if isinstance(fmt, JsonSchemaFormat):
+        text = TextOptions(format=JsonSchemaEcho(name=fmt.name, schema=fmt.schema_,
+                                                 description=fmt.description, strict=fmt.strict))
+    elif isinstance(fmt, JsonObjectFormat):
+        text = TextOptions(format=JsonObjectEcho())
     return Echo(
         instructions=body.instructions, max_output_tokens=body.max_output_tokens,
         parallel_tool_calls=body.parallel_tool_calls is not False, effort=reasoning.effort,
         summary=reasoning.summary, temperature=body.temperature, top_p=body.top_p,
         tool_choice=choice or "auto", tools=tuple(tools),
         prompt_cache_key=body.prompt_cache_key, metadata=dict(body.metadata or {}),
-        sealed_reasoning=body.sealed_reasoning)
+        sealed_reasoning=body.sealed_reasoning, text=text)
 
 
 # --- the route ----------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from .bodies import OMITTED_IF_NONE, Body
 
@@ -152,8 +152,23 @@ class TextFormat(Body):
     type: Literal["text"] = "text"
 
 
+class JsonObjectFormat(Body):
+    type: Literal["json_object"] = "json_object"
+
+
+class JsonSchemaFormat(Body):
+    model_config = ConfigDict(serialize_by_alias=True)
+
+    type: Literal["json_schema"] = "json_schema"
+    name: str
+    schema_: dict[str, Any] = Field(alias="schema")
+    description: Annotated[str | None, OMITTED_IF_NONE] = None
+    strict: bool | None = None
+
+
 class TextOptions(Body):
-    format: TextFormat = TextFormat()
+    format: Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat,
+                      Field(discriminator="type")] = TextFormat()
 
 
 class ResponseObject(Body):

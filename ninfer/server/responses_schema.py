@@ -4,13 +4,23 @@ field asking for what this server does not do refused with a 400 that says so.
 
 Input items and content parts are discriminated by `type` (a message item may omit it); an
 unknown type gets a 400 listing the supported ones. Tools other than `function`, `custom`
-and `namespace` are read as `BuiltinTool`s, which the adapter drops."""
+and `namespace` are read as `BuiltinTool`s, which the adapter drops. `text.format` is
+`text`, `json_object` or `json_schema` (the answer's format: formats.py)."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag, field_validator
+from pydantic import (
+    ConfigDict,
+    Discriminator,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    Tag,
+    field_validator,
+)
 
 from .schemas import FunctionName, Temperature, _Model
 
@@ -20,7 +30,8 @@ ENCRYPTED_REASONING = "reasoning.encrypted_content"
 TAGS = frozenset({"input_text", "output_text", "refusal", "input_image", "input_file",
                   "input_audio", "message", "function_call", "custom_tool_call",
                   "function_call_output", "custom_tool_call_output", "item_reference",
-                  "function", "custom", "namespace", "unsupported"})
+                  "function", "custom", "namespace", "unsupported", "plain_text",
+                  "json_object", "json_schema"})
 ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,128}$")]
 
 
@@ -216,20 +227,43 @@ class ReasoningOptions(_Model):
     summary: Literal["auto", "concise", "detailed"] | None = None
 
 
-class TextFormatOption(_Model):
-    type: StrictStr
+class PlainTextFormat(_Model):
+    type: Literal["text"]
 
-    @field_validator("type")
-    @classmethod
-    def _text_only(cls, value: str) -> str:
-        if value != "text":
-            raise ValueError(f"{value!r} is not supported: this server does not constrain its "
-                             "output (only 'text')")
-        return value
+
+class JsonObjectFormat(_Model):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(_Model):
+    """An answer held to a JSON schema (`strict`: compact, bounded numbers: formats.py)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    type: Literal["json_schema"]
+    name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")]
+    schema_: dict[str, Any] = Field(alias="schema")
+    description: StrictStr | None = None
+    strict: StrictBool | None = None
+
+
+_UNKNOWN_FORMAT = _refuse("format", "supported text formats: text, json_schema, json_object")
+
+
+def _format_tag(value: Any) -> str | None:
+    if not isinstance(value, dict):
+        return None
+    return {"text": "plain_text", "json_object": "json_object",
+            "json_schema": "json_schema"}.get(value.get("type"), "unsupported")
 
 
 class TextOptions(_Model):
-    format: TextFormatOption | None = None
+    format: Annotated[
+        Annotated[PlainTextFormat, Tag("plain_text")]
+        | Annotated[JsonObjectFormat, Tag("json_object")]
+        | Annotated[JsonSchemaFormat, Tag("json_schema")]
+        | Annotated[_UNKNOWN_FORMAT, Tag("unsupported")],
+        Discriminator(_format_tag)] | None = None
 
 
 Includable = Literal[

@@ -57,6 +57,7 @@ from .responses_bodies import (
     ResponseObject,
     ResponseStatus,
     ResponseUsage,
+    TextOptions,
     ToolEcho,
 )
 from .sealed_reasoning import reasoning_span, seal
@@ -88,6 +89,7 @@ class Echo(NamedTuple):
     prompt_cache_key: str | None
     metadata: dict[str, str]
     sealed_reasoning: bool    # include ["reasoning.encrypted_content"]
+    text: TextOptions = TextOptions()   # the answer's format
 
 
 def event_bytes(event: Body) -> bytes:
@@ -131,7 +133,7 @@ class Lifecycle:
             prompt_cache_key=echo.prompt_cache_key,
             reasoning=ReasoningEcho(effort=echo.effort, summary=echo.summary),
             temperature=echo.temperature, tool_choice=echo.tool_choice, tools=list(echo.tools),
-            top_p=echo.top_p, usage=usage, metadata=echo.metadata)
+            top_p=echo.top_p, usage=usage, metadata=echo.metadata, text=echo.text)
 
     def opening(self) -> list[bytes]:
         started = self.response("in_progress")

@@ -311,8 +311,14 @@ BAD = [
     ("empty input", b'{"input": []}', None, "input"),
     ("empty string", b'{"input": ""}', None, "input"),
     ("only instructions", b'{"input": [{"role": "system", "content": "x"}]}', None, "input"),
-    ("json output", b'{"input": "x", "text": {"format": {"type": "json_object"}}}', None,
+    ("unknown text format", b'{"input": "x", "text": {"format": {"type": "yaml"}}}', None,
      "text.format.type"),
+    ("json_schema without a schema", b'{"input": "x", "text": {"format": {"type": '
+                                     b'"json_schema", "name": "n"}}}', None,
+     "text.format.schema"),
+    ("invalid schema", b'{"input": "x", "text": {"format": {"type": "json_schema", "name": '
+                       b'"n", "schema": {"type": "object", "properties": 5}}}}', None,
+     "text.format"),
     ("two tools one name", b'{"input": "x", "tools": [{"type": "function", "name": "f"}, '
                            b'{"type": "custom", "name": "f"}]}', None, "input"),
     ("unknown tool_choice", b'{"input": "x", "tools": [{"type": "function", "name": "f"}], '
