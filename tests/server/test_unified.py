@@ -1,16 +1,25 @@
 """The one request type underneath, without a server: chat completions and the Responses API
 convert to the same UnifiedRequest messages; input items fold into model turns; pinned spans
-encode as their ids; sealed reasoning round-trips and is refused quietly when foreign."""
+encode as their ids; sealed reasoning round-trips and is refused quietly when foreign; every
+API carries its answer format with the field it came from."""
 
 from __future__ import annotations
 
+from ninfer.server.formats import AskedFormat
+from ninfer.server.reply_grammar import OutputFormat
 from ninfer.server.responses_api import reasoning_switch, to_unified
 from ninfer.server.responses_schema import ResponsesRequest
 from ninfer.server.responses_stream import custom_input
-from ninfer.server.schemas import ChatRequest
+from ninfer.server.schemas import ChatRequest, CompletionRequest
 from ninfer.server.sealed_reasoning import reasoning_span, seal, unseal
 from ninfer.server.submission import pinned_encoder
-from ninfer.server.unified import ChatMessage, PinnedText, ToolCallRecord, from_chat
+from ninfer.server.unified import (
+    ChatMessage,
+    PinnedText,
+    ToolCallRecord,
+    from_chat,
+    from_completion,
+)
 
 
 def responses(**fields) -> ResponsesRequest:
@@ -43,6 +52,28 @@ def test_chat_and_responses_convert_to_the_same_messages_and_tools():
     assert resp.template_messages() == chat.template_messages()
     assert resp.template_tools() == chat.template_tools()
     assert resp.instructions() == chat.instructions() and resp.first_user() == "Weather?"
+
+
+def test_every_api_carries_its_answer_format_and_the_field_it_came_from():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    chat = from_chat(ChatRequest.model_validate({
+        "messages": [{"role": "user", "content": "x"}], "logit_bias": {"7": 2, "3": -1.5},
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "n", "schema": schema, "strict": True}}}))
+    assert chat.answer == AskedFormat(OutputFormat("json_schema", schema, True),
+                                      "response_format")
+    assert chat.logit_bias == ((3, -1.5), (7, 2.0))
+    completion = from_completion(CompletionRequest.model_validate(
+        {"prompt": "x", "guided_choice": ["a", "b"]}))
+    assert completion.answer == AskedFormat(OutputFormat("choice", ("a", "b")), "guided_choice")
+    assert completion.logit_bias == ()
+    resp = convert(responses(input="x", text={"format": {
+        "type": "json_schema", "name": "n", "schema": schema}})).request
+    assert resp.answer == AskedFormat(OutputFormat("json_schema", schema, False), "text.format")
+    assert convert(responses(input="x", text={"format": {"type": "json_object"}})).request \
+        .answer == AskedFormat(OutputFormat("json_object"), "text.format")
+    assert convert(responses(input="x", text={"format": {"type": "text"}})).request.answer \
+        is None
 
 
 def test_items_fold_into_model_turns():
