@@ -62,9 +62,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
                      help=f"tokens per window (default {defaults.seq_len})")
     run.add_argument("--lr", type=float, default=defaults.lr,
                      help=f"peak learning rate (default {defaults.lr})")
+    run.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every,
+                     help="also write <out stem>.step<N>.ninfer every N steps (0: never; "
+                          f"default {defaults.checkpoint_every})")
     run.add_argument("--shape", choices=["default", "smoke"], default="default",
                      help="default: the 8.2M-parameter shape; smoke: a tiny one for CPU checks")
-    run.add_argument("--compile", action="store_true", help="torch.compile the loss")
+    run.add_argument("--compile", action="store_true",
+                     help="torch.compile the loss (minutes of compiling first; not timed on a "
+                          "GPU yet)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.set_defaults(func=_run)
 
@@ -110,7 +115,8 @@ def _run(args: argparse.Namespace) -> int:
     from .recipe import TrainSettings, smoke_shape
     settings = TrainSettings()
     settings = dataclasses.replace(settings, steps=args.steps or settings.steps, seed=args.seed,
-                                   batch=args.batch, seq_len=args.seq_len, lr=args.lr)
+                                   batch=args.batch, seq_len=args.seq_len, lr=args.lr,
+                                   checkpoint_every=args.checkpoint_every)
     report = train(Corpus.open(args.corpus), args.out, settings=settings, device=args.device,
                    minutes=args.minutes, report_path=args.report,
                    config_overrides=smoke_shape() if args.shape == "smoke" else None,

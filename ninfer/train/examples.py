@@ -70,20 +70,24 @@ def first_sentence(docstring: str) -> str:
     return match.group(1) if match else para
 
 
+def _asked_by_docstring(fn: Function, rng: random.Random) -> str:
+    if rng.random() < 0.5:
+        return f"{fn.docstring}\n\nWrite this as a Python function named `{fn.name}`."
+    return f"Write a Python function `{fn.name}{fn.signature}` that does this:\n\n" \
+           f"{fn.docstring}"
+
+
 def docstring_request(fn: Function, rng: random.Random) -> str:
     """The user's request for `fn`: its docstring, or (without one, or at times) its
     signature."""
     if fn.docstring and rng.random() < 0.8:
-        if rng.random() < 0.5:
-            return f"{fn.docstring}\n\nWrite this as a Python function named `{fn.name}`."
-        return f"Write a Python function `{fn.name}{fn.signature}` that does this:\n\n" \
-               f"{fn.docstring}"
+        return _asked_by_docstring(fn, rng)
     return f"Implement `def {fn.name}{fn.signature}:` in Python."
 
 
-def docstring_example(fn: Function, rng: random.Random, *, system: bool = True) -> Example:
+def docstring_example(fn: Function, rng: random.Random) -> Example:
     messages = []
-    if system and rng.random() < 0.3:
+    if rng.random() < 0.3:
         messages.append({"role": "system", "content": rng.choice(_SYSTEMS)})
     messages.append({"role": "user", "content": docstring_request(fn, rng)})
     messages.append({"role": "assistant", "content": fn.source})
@@ -92,11 +96,8 @@ def docstring_example(fn: Function, rng: random.Random, *, system: bool = True) 
 
 def docstring_prompt(fn: Function, rng: random.Random) -> Example:
     """An evaluation item: the docstring as the request (no system prompt)."""
-    request = (f"{fn.docstring}\n\nWrite this as a Python function named `{fn.name}`."
-               if rng.random() < 0.5 else
-               f"Write a Python function `{fn.name}{fn.signature}` that does this:\n\n"
-               f"{fn.docstring}")
-    return Example("docstring", [{"role": "user", "content": request}], None, fn.source)
+    return Example("docstring", [{"role": "user", "content": _asked_by_docstring(fn, rng)}],
+                   None, fn.source)
 
 
 def answerable(fn: Function, limit: int = MAX_ANSWER_CHARS) -> bool:

@@ -97,3 +97,19 @@ def test_minutes_fix_the_step_count_from_the_first_steps_and_record_it(slice_cor
     assert loop.CALIBRATION_STEPS + 2 < report["steps_planned"] < 10**6
     assert report["steps_done"] <= report["steps_planned"]
     assert report["seconds_per_step_calibrated"] > 0 and report["minutes"] == 0.05
+
+
+def test_the_commands_train_and_evaluate(slice_corpus, tmp_path, capsys):
+    from ninfer.cli import main
+    out, report, figures = tmp_path / "m.ninfer", tmp_path / "r.json", tmp_path / "e.json"
+    assert main(["train", "run", "--corpus", str(slice_corpus.path), "--out", str(out),
+                 "--report", str(report), "--shape", "smoke", "--steps", "3", "--batch", "2",
+                 "--seq-len", "32", "--checkpoint-every", "2", "--quiet"]) == 0
+    written = json.loads(report.read_text())
+    assert written["steps_done"] == 3 and written["settings"]["batch"] == 2
+    assert [c["step"] for c in written["checkpoints"]] == [2]
+    assert main(["train", "eval", str(out), "--corpus", str(slice_corpus.path), "--parts",
+                 "bpb", "--limit", "1", "--json", str(figures), "--quiet"]) == 0
+    bpb = json.loads(figures.read_text())["bpb"]
+    assert bpb["files"] == 1 and bpb["bits_per_byte"] > 0
+    capsys.readouterr()
