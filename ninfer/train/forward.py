@@ -24,18 +24,15 @@ from torch import Tensor
 
 from ..model.gdn import l2_normalize
 from ..model.hybrid import DecoderLayer, HybridModel
+from ..model.layers import compute_dtype
 
 CHUNK = 64  # positions per chunk of the gated delta rule
-
-
-def _wide(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """The zero-centred RMSNorm (`layers.RMSNorm`): x / rms(x) * (1 + weight), computed wide,
     returned in x's dtype."""
-    w = _wide(x)
+    w = compute_dtype(x)
     xw = x.to(w)
     return (xw * torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + eps)
             * (1.0 + weight.to(w))).to(x.dtype)
@@ -151,7 +148,7 @@ def _gdn(layer: DecoderLayer, x: Tensor) -> Tensor:
     z = m.in_proj_z(x).view(B, T, Hv, Dv)
     b, a = m.in_proj_b(x), m.in_proj_a(x)  # [B, T, Hv]
     conv = F.silu(_causal_conv(qkv, m.conv1d.weight.squeeze(1)))  # [B, T, conv_dim]
-    wide = _wide(x)
+    wide = compute_dtype(x)
     with torch.autocast(x.device.type, enabled=False):  # the rule, its gates and norm, wide
         q, k, v = conv.to(wide).split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
         q, k = (l2_normalize(t.reshape(B, T, Hk, Dk)) for t in (q, k))
@@ -195,7 +192,7 @@ def _layer(layer: DecoderLayer, h: Tensor, cos_sin: tuple[Tensor, Tensor]) -> Te
 
 def _cos_sin(net: HybridModel, B: int, T: int, like: Tensor) -> tuple[Tensor, Tensor]:
     positions = torch.arange(T, device=like.device).expand(B, T)
-    return net.rope(positions, _wide(like))
+    return net.rope(positions, compute_dtype(like))
 
 
 def hidden(net: HybridModel, ids: Tensor) -> Tensor:
