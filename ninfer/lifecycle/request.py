@@ -32,6 +32,12 @@ class SamplingParams:
     min_tokens: int = 0                # no stop token chosen before this many outputs
     seed: int | None = None
     logprobs: int = 0                  # top-n log-probabilities per token, 0 for none
+    # a reasoning budget (engine/budget.py): when `reasoning_budget` outputs are written and
+    # none of them is `reasoning_end`, the next outputs are `reasoning_close`, committed as
+    # if chosen; None: no budget
+    reasoning_budget: int | None = None
+    reasoning_close: tuple[int, ...] = ()
+    reasoning_end: int | None = None
 
     @property
     def penalised(self) -> bool:
@@ -43,6 +49,7 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         out = {f: getattr(self, f) for f in self.__dataclass_fields__}
         out["stop_tokens"] = list(self.stop_tokens)
+        out["reasoning_close"] = list(self.reasoning_close)
         return out
 
 

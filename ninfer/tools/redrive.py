@@ -189,6 +189,7 @@ def read_recording(events: Iterable[ev.Event], meta: dict | None = None) -> Reco
                                    "--journal-content hashes): there is nothing to redrive")
             params = dict(e.params)
             params["stop_tokens"] = tuple(params.get("stop_tokens", ()))
+            params["reasoning_close"] = tuple(params.get("reasoning_close", ()))
             submit = Submit(e.request, tuple(e.tokens), e.conversation, e.tenant,
                             SamplingParams(**params), tuple(e.boundaries), e.shared_prefix)
             requests[e.request] = Recorded(e.request, submit)
