@@ -22,7 +22,7 @@ from ..engine.thread import EngineThread
 from ..lifecycle.request import SamplingParams
 from ..model.template import ChatTemplate, ChatTemplateError
 from ..model.tokenizer import Tokenizer
-from . import errors, sessions
+from . import errors, reasoning, sessions
 from .errors import ApiError, bad_request
 from .generation import Generation, Settings
 from .history import History
@@ -214,9 +214,12 @@ def create_app(server: Server) -> FastAPI:
     app = FastAPI(title="ninfer", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
     errors.install(app)
+    from .messages_routes import messages_router  # (it builds on this module's helpers)
+    app.include_router(messages_router(server))
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != server.settings.model_id:
+        if name is not None and name != server.settings.model_id \
+                and name not in server.settings.model_aliases:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves "
                                 f"{server.settings.model_id!r}", param="model",
                            code="model_not_found")
@@ -245,13 +248,17 @@ def create_app(server: Server) -> FastAPI:
             text = None
             if chat:
                 text, ids, boundaries, shared = render_chat(server, body, encode_text)
-                parser = OutputParser(thinking=opens_thinking(text),
+                thinking = opens_thinking(text)
+                parser = OutputParser(thinking=thinking,
                                       tools=bool(body.tools) and body.tool_choice != "none")
                 limit = body.output_limit
             else:
                 ids, boundaries, shared, parser = completion_ids(server, body), (), 0, None
                 limit = body.max_tokens
             params = sampling(body, len(ids), server.settings, limit, stop_ids)
+            if chat and thinking:
+                params = reasoning.bounded(params, reasoning.budget_for_effort(
+                    body.reasoning_effort, server.settings.reasoning_budget), server.tokenizer)
             gen = Generation(
                 server, route="openai-chat" if chat else "openai-completion",
                 prompt=tuple(ids), session=session, tenant=tenant, params=params,

@@ -36,6 +36,9 @@ class Settings:
     max_body_bytes: int = 8 * 2**20
     keepalive_s: float = 5.0
     spec: str = "none"
+    reasoning_budget: int | None = None     # reasoning tokens before the server closes it
+    model_aliases: tuple[str, ...] = ()     # more names the served model answers to
+    claude_names: bool = True               # the Messages API serves any claude-* name
 
 
 class Generation:
