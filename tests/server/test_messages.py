@@ -302,3 +302,12 @@ def test_pings_while_a_long_prompt_prefills(live):
     assert names[1:first_block].count("ping") >= 2
     assert set(names[1:first_block]) == {"ping"}
     assert time.monotonic() - started > 1.0
+
+
+def test_the_bench_client_reads_the_messages_stream(live):
+    """`ninfer bench serve` times the Messages API with this client: its figures are the
+    stream's own."""
+    from ninfer.bench.serve import _stream_messages
+    run = _stream_messages(live.url, {"model": MODEL, "max_tokens": 6, "temperature": 0,
+                                      "messages": [{"role": "user", "content": "bench"}]})
+    assert run["output"] == 6 and 0 < run["ttft"] < run["total"]
