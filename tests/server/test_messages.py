@@ -311,3 +311,49 @@ def test_the_bench_client_reads_the_messages_stream(live):
     run = _stream_messages(live.url, {"model": MODEL, "max_tokens": 6, "temperature": 0,
                                       "messages": [{"role": "user", "content": "bench"}]})
     assert run["output"] == 6 and 0 < run["ttft"] < run["total"]
+
+
+def test_count_tokens_of_a_conversation_with_tools_thinking_and_results(live, client):
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "Use the tool.", "signature": "x"},
+            {"type": "tool_use", "id": "toolu_9", "name": "get_weather",
+             "input": {"city": "Oslo"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9",
+                                      "content": "sunny"}]}]
+    counted = client.messages.count_tokens(model=MODEL, system=SYSTEM, tools=TOOLS,
+                                           messages=messages,
+                                           thinking={"type": "enabled", "budget_tokens": 1024})
+    message = client.messages.create(model=MODEL, max_tokens=1, system=SYSTEM, tools=TOOLS,
+                                     messages=messages,
+                                     thinking={"type": "enabled", "budget_tokens": 1024})
+    assert counted.input_tokens == (message.usage.input_tokens
+                                    + message.usage.cache_read_input_tokens)
+    prompt = live.server.tokenizer.decode(queued(live, request_id(message))["tokens"])
+    assert "<think>\nUse the tool.\n</think>" in prompt and "sunny" in prompt
+
+
+def test_a_create_the_client_gives_up_on_is_cancelled(live, client):
+    before = {r for r, in _requests(live)}
+    with live.configured(step_delay=0.1), pytest.raises(anthropic.APITimeoutError):
+        client.with_options(timeout=1.0).messages.create(
+            model=MODEL, max_tokens=400, messages=[{"role": "user", "content": "Go on."}])
+    rid, = {r for r, in _requests(live)} - before
+    kind, data, _ = live.wait_terminal(rid)
+    assert kind == "RequestCancelled" and len(outputs(live, rid)) < 400
+
+
+def _requests(live):
+    with contextlib.closing(sqlite3.connect(f"file:{live.journal_path}?mode=ro",
+                                            uri=True)) as db:
+        return db.execute("SELECT request FROM events WHERE kind = 'RequestQueued' AND "
+                          "request NOT LIKE 'warmup-%'").fetchall()
+
+
+def test_a_model_alias_serves_chat_completions_too(live):
+    with live.configured(model_aliases=("house-model",)):
+        r = httpx.post(live.url + "/v1/chat/completions", timeout=60, json={
+            "model": "house-model", "max_tokens": 1,
+            "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200
