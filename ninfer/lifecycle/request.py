@@ -49,7 +49,11 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         out = {f: getattr(self, f) for f in self.__dataclass_fields__}
         out["stop_tokens"] = list(self.stop_tokens)
-        out["reasoning_close"] = list(self.reasoning_close)
+        if self.reasoning_budget is None:  # journaled only when set: most requests have none
+            for name in ("reasoning_budget", "reasoning_close", "reasoning_end"):
+                del out[name]
+        else:
+            out["reasoning_close"] = list(self.reasoning_close)
         return out
 
 

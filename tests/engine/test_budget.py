@@ -148,3 +148,8 @@ def test_a_redrive_forces_the_same_close(tmp_path):
         outcome = redrive(events, src.meta)
     assert outcome.differences == [] and outcome.violations == [] and outcome.same
     assert outcome.compared == 1
+
+
+def test_the_journal_holds_a_budget_only_when_there_is_one():
+    assert "reasoning_budget" not in params(None).to_dict()
+    assert params(3).to_dict()["reasoning_close"] == list(CLOSE)

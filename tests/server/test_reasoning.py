@@ -78,6 +78,6 @@ def test_reasoning_effort_names_the_budget(live):
         off = chat(live, max_tokens=2, reasoning_effort="none")
     assert journaled(live, low.headers["x-request-id"])[0]["reasoning_budget"] == 1024
     # thinking off: the template closed the block, there is nothing to budget
-    assert journaled(live, off.headers["x-request-id"])[0]["reasoning_budget"] is None
+    assert "reasoning_budget" not in journaled(live, off.headers["x-request-id"])[0]
     plain = chat(live, max_tokens=2)
-    assert journaled(live, plain.headers["x-request-id"])[0]["reasoning_budget"] is None
+    assert "reasoning_budget" not in journaled(live, plain.headers["x-request-id"])[0]
