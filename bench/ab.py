@@ -6,9 +6,11 @@
 Each round runs every named bench once from each checkout (before, after, then after, before
 in the next round, so neither side always runs first), with that checkout first on
 PYTHONPATH and the same interpreter. The figures are each numeric leaf of a bench's JSON;
-the table gives each side's median and after / before, and marks a timing figure whose ratio
-is outside --tolerance. This machine's speed moves between runs, so only these same-run
-ratios mean anything. A script of the repository's, not of the package: it compares two
+the table gives each side's best run (the highest rate, the lowest time: load on a shared
+machine only ever slows a run down, so the best is the figure least disturbed by it), its
+median, and best after / best before, and marks a figure whose ratio is worse than
+--tolerance. This machine's speed moves between runs, so only these same-run ratios mean
+anything. A script of the repository's, not of the package: it compares two
 versions of the package.
 """
 
@@ -56,7 +58,8 @@ def higher_is_better(path: str) -> bool:
     name = path.rsplit(".", 1)[-1]
     if name.endswith(("per_s", "tok_s", "raw_ratio")):
         return True
-    return not (name.endswith(("_s", "_ms", "_us")) or path.startswith("turn2"))
+    times = name.endswith("_s") or "_ms" in name or "_us" in name
+    return not (times or path.startswith("turn2"))
 
 
 def run(checkout: Path, bench: str, python: str) -> dict[str, float]:
@@ -69,6 +72,29 @@ def run(checkout: Path, bench: str, python: str) -> dict[str, float]:
         return {k: v for k, v in leaves(json.loads(out.read_text())).items() if is_figure(k)}
 
 
+def summarize(runs: dict, tolerance: float) -> tuple[list[dict], list[str]]:
+    """Per bench and figure: each side's best and median, their ratios, and whether the
+    best ratio is worse than `tolerance`; then the names of those that are."""
+    table, outside = [], []
+    for bench, by_side in runs.items():
+        keys = sorted(set.intersection(*(set(x) for x in by_side["before"] + by_side["after"])))
+        for key in keys:
+            up = higher_is_better(key)
+            pick = max if up else min
+            a, b = (pick(x[key] for x in by_side[side]) for side in ("before", "after"))
+            ma, mb = (statistics.median(x[key] for x in by_side[side])
+                      for side in ("before", "after"))
+            ratio = b / a if a else float("nan")
+            worse = ratio < 1 - tolerance if up else ratio > 1 + tolerance
+            table.append({"bench": bench, "figure": key, "before": a, "after": b,
+                          "after_over_before": ratio,
+                          "median_after_over_before": mb / ma if ma else float("nan"),
+                          "higher_is_better": up, "worse_than_tolerance": worse})
+            if worse:
+                outside.append(f"{bench}.{key}")
+    return table, outside
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("benches", nargs="+", choices=sorted(ARGS))
@@ -76,40 +102,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--after", type=Path, default=Path("."), help="the new checkout")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tolerance", type=float, default=0.05)
-    p.add_argument("--json", help="write every run's figures and the medians here")
+    p.add_argument("--json", help="write every run's figures and the summary here")
+    p.add_argument("--summarize", metavar="JSON", help="only summarize the runs of an earlier "
+                   "--json file (no bench is run)")
     args = p.parse_args(argv)
     sides = {"before": args.before.resolve(), "after": args.after.resolve()}
     runs: dict[str, dict[str, list[dict[str, float]]]] = {
         b: {"before": [], "after": []} for b in args.benches}
+    if args.summarize:
+        runs = json.loads(Path(args.summarize).read_text())["runs"]
+        args.rounds = 0
     for r in range(args.rounds):
         order = ("before", "after") if r % 2 == 0 else ("after", "before")
         for bench in args.benches:
             for side in order:
                 print(f"round {r + 1}/{args.rounds}: {bench} ({side})", file=sys.stderr)
                 runs[bench][side].append(run(sides[side], bench, sys.executable))
-    table, outside = [], []
-    for bench, by_side in runs.items():
-        keys = sorted(set.intersection(*(set(x) for x in by_side["before"] + by_side["after"])))
-        for key in keys:
-            a = statistics.median(x[key] for x in by_side["before"])
-            b = statistics.median(x[key] for x in by_side["after"])
-            ratio = b / a if a else float("nan")
-            worse = (ratio < 1 - args.tolerance if higher_is_better(key)
-                     else ratio > 1 + args.tolerance)
-            table.append({"bench": bench, "figure": key, "before": a, "after": b,
-                          "after_over_before": ratio, "higher_is_better": higher_is_better(key),
-                          "worse_than_tolerance": worse})
-            if worse:
-                outside.append(f"{bench}.{key}")
-    print(f"{'bench':<10} {'figure':<44} {'before':>12} {'after':>12} {'after/before':>12}")
+    table, outside = summarize(runs, args.tolerance)
+    print(f"{'bench':<10} {'figure':<40} {'best before':>12} {'best after':>12} "
+          f"{'after/before':>12} {'(medians)':>10}")
     for row in table:
         mark = "  WORSE" if row["worse_than_tolerance"] else ""
-        print(f"{row['bench']:<10} {row['figure']:<44} {row['before']:>12.4g} "
-              f"{row['after']:>12.4g} {row['after_over_before']:>12.3f}{mark}")
+        print(f"{row['bench']:<10} {row['figure']:<40} {row['before']:>12.4g} "
+              f"{row['after']:>12.4g} {row['after_over_before']:>12.3f} "
+              f"{row['median_after_over_before']:>10.3f}{mark}")
     print(f"{len(outside)} of {len(table)} figures worse by more than "
           f"{args.tolerance:.0%}: {', '.join(outside) or 'none'}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rounds": args.rounds, "runs": runs,
+        rounds = len(next(iter(runs.values()))["before"])
+        Path(args.json).write_text(json.dumps({"rounds": rounds, "runs": runs,
                                                "table": table, "worse": outside}, indent=1))
     return 0
 

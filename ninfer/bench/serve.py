@@ -3,8 +3,9 @@ tiny model, in one process (uvicorn on loopback; clients on threads, so on a sma
 they share the cores with the server: the figures are an upper bound on overhead).
 
 Measures: time to first token (cold prompt, and the next turn reusing it), streaming
-overhead per token over the bare engine (chat completions, and Anthropic's Messages API on
-the same prompt and output against it), total tokens/s at 1/4/8 concurrent streams, and
+overhead per token over the bare engine (chat completions, and the Responses API and
+Anthropic's Messages API against it: the same prompt and output, runs alternated), total
+tokens/s at 1/4/8 concurrent streams, and
 disconnect-to-cancel latency (client cut to RequestCancelled, and in engine steps)."""
 
 from __future__ import annotations
@@ -75,24 +76,53 @@ def _stream(url: str, body: dict, headers: dict | None = None) -> dict:
     return {"ttft": first, "total": time.perf_counter() - start, "usage": usage}
 
 
-def _stream_messages(url: str, body: dict) -> dict:
-    """One streaming request on Anthropic's Messages API: time to the first text delta,
-    total time, output tokens (from `message_delta`)."""
+def _stream_responses(url: str, body: dict, headers: dict | None = None) -> dict:
+    """One streaming request of the Responses API, measured as `_stream` measures chat
+    completions: time to the first text delta, total time, and usage in chat's terms."""
     import httpx
     start = time.perf_counter()
     first = None
-    output = 0
-    with httpx.stream("POST", url + "/v1/messages", json={**body, "stream": True},
-                      timeout=600) as r:
+    usage = None
+    with httpx.stream("POST", url + "/v1/responses", json={**body, "stream": True},
+                      headers=headers or {}, timeout=600) as r:
         for line in r.iter_lines():
             if not line.startswith("data: "):
                 continue
             event = json.loads(line[6:])
-            if event["type"] == "content_block_delta" and first is None:
+            if first is None and event["type"].endswith("_text.delta"):
+                first = time.perf_counter() - start
+            elif event["type"] in ("response.completed", "response.incomplete"):
+                u = event["response"]["usage"]
+                usage = {"prompt_tokens": u["input_tokens"],
+                         "completion_tokens": u["output_tokens"],
+                         "prompt_tokens_details": u["input_tokens_details"]}
+    return {"ttft": first, "total": time.perf_counter() - start, "usage": usage}
+
+
+def _stream_messages(url: str, body: dict, headers: dict | None = None) -> dict:
+    """One streaming request of Anthropic's Messages API, measured as `_stream` measures chat
+    completions: time to the first text delta, total time, and usage in chat's terms (the
+    prompt is the tokens computed and the ones read from the cache together)."""
+    import httpx
+    start = time.perf_counter()
+    first = None
+    usage = None
+    with httpx.stream("POST", url + "/v1/messages", json={**body, "stream": True},
+                      headers=headers or {}, timeout=600) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            if first is None and event["type"] == "content_block_delta" \
+                    and event["delta"]["type"] == "text_delta":
                 first = time.perf_counter() - start
             elif event["type"] == "message_delta":
-                output = event["usage"]["output_tokens"]
-    return {"ttft": first, "total": time.perf_counter() - start, "output": output}
+                u = event["usage"]
+                cached = u["cache_read_input_tokens"]
+                usage = {"prompt_tokens": u["input_tokens"] + cached,
+                         "completion_tokens": u["output_tokens"],
+                         "prompt_tokens_details": {"cached_tokens": cached}}
+    return {"ttft": first, "total": time.perf_counter() - start, "usage": usage}
 
 
 def _bare_engine_seconds(args, prompt_ids: tuple[int, ...]) -> tuple[float, float]:
@@ -153,24 +183,39 @@ def main(spec: str = "none", threads: int = 1, json_path: str | None = None) -> 
     ids = tuple(om.tokenizer.encode(om.template.render(short, add_generation_prompt=True,
                                                        enable_thinking=False)))
     server.thread.step_delay = 0
-    runs = [_stream(url, {**body, "messages": short}) for _ in range(3)]
+    # chat completions, the Responses API and the Messages API alternated, the same prompt
+    # and greedy output (thinking off on each)
+    responses_body = {"max_output_tokens": OUTPUT, "temperature": 0,
+                      "reasoning": {"effort": "none"}, "input": short}
+    messages_body = {"model": "claude-bench", "max_tokens": OUTPUT, "temperature": 0,
+                     "thinking": {"type": "disabled"}, "messages": short}
+    runs, responses_runs, messages_runs = [], [], []
+    for _ in range(3):
+        runs.append(_stream(url, {**body, "messages": short}))
+        responses_runs.append(_stream_responses(url, responses_body))
+        messages_runs.append(_stream_messages(url, messages_body))
     http_decode = min(r["total"] - r["ttft"] for r in runs)
+    responses_decode = min(r["total"] - r["ttft"] for r in responses_runs)
+    messages_decode = min(r["total"] - r["ttft"] for r in messages_runs)
     bare_prefill, bare_decode = _bare_engine_seconds(argparse.Namespace(spec=spec), ids)
     results["bare_decode_ms_per_token"] = 1000 * bare_decode / (OUTPUT - 1)
     results["http_decode_ms_per_token"] = 1000 * http_decode / (OUTPUT - 1)
     results["stream_overhead_ms_per_token"] = (results["http_decode_ms_per_token"]
                                                - results["bare_decode_ms_per_token"])
-    # the Messages API streaming the same prompt and output, in the same run
-    anthropic_body = {"model": "claude-bench", "max_tokens": OUTPUT, "temperature": 0,
-                      "messages": short}
-    runs = [_stream_messages(url, anthropic_body) for _ in range(3)]
-    best = min(runs, key=lambda r: r["total"] - r["ttft"])
-    results["messages_decode_ms_per_token"] = (1000 * (best["total"] - best["ttft"])
-                                               / max(best["output"] - 1, 1))
+    results["responses_output_tokens"] = min(r["usage"]["completion_tokens"]
+                                             for r in responses_runs)
+    results["responses_decode_ms_per_token"] = 1000 * responses_decode / (OUTPUT - 1)
+    results["responses_stream_overhead_ms_per_token"] = (
+        results["responses_decode_ms_per_token"] - results["bare_decode_ms_per_token"])
+    # the Responses API's decode per token over chat completions' (goal: within 10%)
+    results["responses_vs_chat_decode"] = responses_decode / http_decode
+    results["messages_output_tokens"] = min(r["usage"]["completion_tokens"]
+                                            for r in messages_runs)
+    results["messages_decode_ms_per_token"] = 1000 * messages_decode / (OUTPUT - 1)
     results["messages_stream_overhead_ms_per_token"] = (
         results["messages_decode_ms_per_token"] - results["bare_decode_ms_per_token"])
-    results["messages_vs_chat_per_token"] = (results["messages_decode_ms_per_token"]
-                                             / results["http_decode_ms_per_token"])
+    # the Messages API's decode per token over chat completions' (goal: within 10%)
+    results["messages_vs_chat_decode"] = messages_decode / http_decode
 
     # total tokens/s at 1, 4, 8 concurrent streams
     for n in (1, 4, 8):
@@ -236,9 +281,16 @@ def main(spec: str = "none", threads: int = 1, json_path: str | None = None) -> 
              f"{results['bare_decode_ms_per_token']:.2f} / "
              f"{results['http_decode_ms_per_token']:.2f} ms"),
             ("streaming overhead per token", f"{results['stream_overhead_ms_per_token']:.2f} ms"),
-            ("decode per token: Messages API streaming (vs chat completions)",
-             f"{results['messages_decode_ms_per_token']:.2f} ms "
-             f"({results['messages_vs_chat_per_token']:.2f}x)")]
+            ("Responses API: decode per token / overhead per token",
+             f"{results['responses_decode_ms_per_token']:.2f} / "
+             f"{results['responses_stream_overhead_ms_per_token']:.2f} ms"),
+            ("Responses API decode per token over chat completions'",
+             f"{100 * (results['responses_vs_chat_decode'] - 1):+.1f}%"),
+            ("Messages API: decode per token / overhead per token",
+             f"{results['messages_decode_ms_per_token']:.2f} / "
+             f"{results['messages_stream_overhead_ms_per_token']:.2f} ms"),
+            ("Messages API decode per token over chat completions'",
+             f"{100 * (results['messages_vs_chat_decode'] - 1):+.1f}%")]
     rows += [(f"total tokens/s, {n} concurrent streams",
               f"{results[f'tokens_per_s_{n}_streams']:.0f}") for n in (1, 4, 8)]
     rows.append(("client close to journaled RequestCancelled, median / max",
@@ -260,8 +312,9 @@ def main(spec: str = "none", threads: int = 1, json_path: str | None = None) -> 
 def add_bench_parser(bench_subparsers) -> argparse.ArgumentParser:
     """`ninfer bench serve` (its func is `run`)."""
     p = bench_subparsers.add_parser(
-        "serve", help="HTTP server vs bare engine: TTFT, streaming overhead per token, "
-                      "tokens/s at 1/4/8 streams, disconnect-to-cancel latency")
+        "serve", help="HTTP server vs bare engine: TTFT, streaming overhead per token (chat "
+                      "completions, and the Responses API against it), tokens/s at 1/4/8 "
+                      "streams, disconnect-to-cancel latency")
     p.add_argument("--spec", choices=["none", "mtp", "ngram"], default="none")
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--json", default=None, help="also write the results to this file")

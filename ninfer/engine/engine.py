@@ -184,7 +184,7 @@ class Engine:
             work(live)
         except (MissingStatePart, KeyError, IndexError) as exc:
             log.error("request %s failed: %s", live.request.id, exc, exc_info=True)
-            self.exits.fail(live.request, "internal", str(exc))
+            self._fail_internal(live.request, str(exc))
 
     # --- scheduling and memory: the scheduler decides, the engine carries it out -------
 
@@ -307,8 +307,7 @@ class Engine:
             self.exits.cancel(live.request)
 
     def _verify(self, lives: list[Live]) -> None:
-        fail = lambda request, message: self.exits.fail(request, "internal", message)  # noqa: E731
-        for verified in self.rounds.verify(lives, fail):
+        for verified in self.rounds.verify(lives, self._fail_internal):
             live = verified.live
             if verified.out is None:
                 live.round = None
@@ -319,6 +318,9 @@ class Engine:
         stop = self.rounds.commit(live, out)
         if stop is not None:
             self._stop(live.request, stop)
+
+    def _fail_internal(self, request: Request, message: str) -> None:
+        self.exits.fail(request, "internal", message)
 
     def _stop(self, request: Request, reason: str) -> None:
         request.stop_reason = reason

@@ -68,7 +68,10 @@ def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         out = torch.zeros_like(logits)
         out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         return out
-    probs = torch.softmax(logits / cfg.temperature, dim=-1)
+    # shifted so the largest is 0 before dividing: a tiny temperature sends the others to
+    # -inf (probability 0), never inf - inf (NaN)
+    shifted = logits - logits.amax(-1, keepdim=True)
+    probs = torch.softmax(shifted / cfg.temperature, dim=-1)
     if cfg.top_k > 0 and cfg.top_k < probs.shape[-1]:
         kth = probs.topk(cfg.top_k, dim=-1).values[..., -1:]
         probs = torch.where(probs >= kth, probs, 0.0)

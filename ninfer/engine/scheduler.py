@@ -104,6 +104,8 @@ class Scheduler:
     def adoption(self, detached: Sequence[Request]) -> Adopt | None:
         """A waiting request that adopts one of the `detached` prefills, first in line
         first (it needs no lane of its own, so it may pass the head of the line)."""
+        if not detached:  # the common case: nothing to adopt, no walk down the line
+            return None
         for request in self.waiting:
             for d in detached:
                 if adoption.refusal(d, request) is None:

@@ -48,7 +48,8 @@ class ContinuationStore:
         self.endpoints_per_session = 0
         self.applied_seq = 0
         self.endpoints: dict[str, StoredEndpoint] = {}
-        self._private: dict[tuple[str, str], list[str]] = {}  # in publication order
+        # each key's private endpoint ids, in publication order (a dict: O(1) removal)
+        self._private: dict[tuple[str, str], dict[str, None]] = {}
         self._anchors: dict[tuple[str, str], dict[int, str]] = {}
         self._shared: dict[str, dict[int, str]] = {}
 
@@ -102,10 +103,15 @@ class ContinuationStore:
         superseded ones and those past the key's bound with events of their own."""
         key = (facts.tenant, facts.session or "")
         if facts.kind == "private":
-            if not self.endpoints_per_session:  # an older journal: one latest point a key
-                for old in self._private.get(key, [])[:]:
-                    self._drop(old)
-            self._private.setdefault(key, []).append(facts.id)
+            ids = self._private.get(key)
+            if ids is None:
+                self._private[key] = {facts.id: None}
+            else:
+                if not self.endpoints_per_session:  # an older journal: one latest point a key
+                    for old in ids:
+                        del self.endpoints[old]
+                    ids.clear()
+                ids[facts.id] = None
         else:
             index = (
                 self._anchors.setdefault(key, {})
@@ -162,8 +168,9 @@ class ContinuationStore:
         f = stored.facts
         key = (f.tenant, f.session or "")
         if f.kind == "private":
-            self._private[key].remove(endpoint_id)
-            if not self._private[key]:
+            ids = self._private[key]
+            del ids[endpoint_id]
+            if not ids:
                 del self._private[key]
         elif f.kind == "anchor":
             self._anchors.get(key, {}).pop(f.position, None)
@@ -195,6 +202,7 @@ class ContinuationStore:
         if not self.endpoints:
             return None
         return min(self.endpoints.values(), key=_recency).facts.id
+
     def private(self, tenant: str, session: str) -> list[StoredEndpoint]:
         """The private endpoints of one session key (one per branch), in publication order."""
         return [self.endpoints[i] for i in self._private.get((tenant, session), ())]

@@ -185,3 +185,27 @@ class TextCompletion(Body):
     choices: list[TextChoice]
     usage: Annotated[Usage | None, OMITTED_IF_NONE] = None
     timings: Annotated[Timings | None, OMITTED_IF_NONE] = None
+
+
+# --- the other routes -------------------------------------------------------------------------
+
+
+class ModelCard(Body):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "ninfer"
+    max_model_len: int   # vLLM's: the most tokens per request, prompt and output together
+
+
+class ModelList(Body):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(Body):
+    status: Literal["ok"] = "ok"
+
+
+class Evicted(Body):
+    evicted: int   # endpoints dropped

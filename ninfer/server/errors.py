@@ -8,6 +8,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("ninfer.server")
@@ -16,6 +17,23 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           404: "invalid_request_error", 405: "invalid_request_error",
           413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
           500: "internal_error", 503: "server_error"}
+
+
+class ErrorDetail(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error shape: the body of every error response."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    error: ErrorDetail
 
 
 class ApiError(Exception):
@@ -32,8 +50,8 @@ class ApiError(Exception):
         return _TYPES.get(self.status, "invalid_request_error")
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return ErrorBody(error=ErrorDetail(message=self.message, type=self.type,
+                                           param=self.param, code=self.code)).model_dump()
 
     def response(self) -> JSONResponse:
         headers = {}

@@ -1,6 +1,7 @@
-"""Anthropic's Messages API, the request side: its request models (pydantic v2), the one
-conversion of a Messages request into a chat request (`to_chat`: what chat completions hands
-the rest of the server), its session key, and its error envelope.
+"""Anthropic's Messages API, the request side: its request models (pydantic v2) and the one
+conversion of a Messages request into the request type underneath every API
+(`to_unified`: unified.py), which the routes (messages_routes.py) start on the path
+underneath (submission.py) as chat completions and responses do.
 
 Validated like the OpenAI requests (schemas.py): strictly where a wrong value would change
 behaviour, leniently where clients differ harmlessly (unknown fields, `cache_control`
@@ -12,20 +13,16 @@ warning line in the log.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
 from typing import Annotated, Any, Literal, NamedTuple
 
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from .errors import ApiError, bad_request
+from .errors import bad_request
 from .reasoning import budget_for_effort
-from .schemas import ChatRequest
-from .sessions import KeySource, chat_derived_key, header_source, session_key
+from .sessions import KeySource
+from .unified import ChatMessage, Sampling, ToolCallRecord, ToolSpec, UnifiedRequest
 
-log = logging.getLogger("ninfer.server")
+ROUTE = "anthropic-messages"
 
 
 class _Model(BaseModel):
@@ -147,7 +144,7 @@ Thinking = Annotated[ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive,
 
 class OutputConfig(_Model):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
-    format: dict[str, Any] | None = None   # structured output: refused (see to_chat)
+    format: dict[str, Any] | None = None   # structured output: refused (see to_unified)
 
 
 class Metadata(_Model):
@@ -186,52 +183,51 @@ class CountTokensRequest(MessagesFields):
 # --- the conversion ----------------------------------------------------------------------------
 
 
-class ChatTurn(NamedTuple):
-    """A Messages request as chat completions would have received it."""
+class MessagesTurn(NamedTuple):
+    """A Messages request in the request type underneath."""
 
-    chat: ChatRequest
-    reasoning_budget: int | None   # tokens of reasoning before the server closes it
+    request: UnifiedRequest
     dropped_tools: tuple[str, ...]  # built-in tools this server does not run
 
 
-def to_chat(body: MessagesRequest | CountTokensRequest, *, default_budget: int | None
-            ) -> ChatTurn:
-    """The one conversion: system prompt (the `system` field, then every system message in
-    `messages`, in order) as one leading system message; user text, tool results (as tool
-    messages), assistant text, thinking (as reasoning) and tool calls; client tools as
-    functions; tool choice; thinking as the template's switch and a reasoning budget
-    (reasoning.py); sampling fields. Raises the 400 for what cannot be served."""
-    system, messages = _conversation(body)
-    if system:
-        messages.insert(0, {"role": "system", "content": "\n\n".join(system)})
-    tools = [t for t in body.tools or () if not t.built_in]
-    dropped = tuple(t.type or t.name for t in body.tools or () if t.built_in)
+def to_unified(body: MessagesRequest | CountTokensRequest, *, default_budget: int | None
+               ) -> MessagesTurn:
+    """The one conversion: the system prompt (the `system` field, then every system message
+    in `messages`, in order) merged into one leading system message; user text, tool results
+    (as tool messages), assistant text, thinking (as reasoning) and tool calls; client tools
+    as functions; tool choice; thinking as the template's switch and a reasoning budget
+    (reasoning.py; `default_budget` is the server's); sampling fields (a token count has
+    none); the session key's sources (`session_id`, then `metadata.user_id`, where Claude
+    Code puts its session; else derived) and the cache salt. Raises the 400 for what cannot
+    be served.
+
+    The model's name is the routes' to check (any `claude-*` name is the Messages API's
+    own), so the request underneath names none."""
+    if body.output_config is not None and body.output_config.format is not None:
+        raise bad_request("output_config.format: structured output is not supported by this "
+                          "server", "output_config.format")
+    messages = _conversation(body)
     for i, t in enumerate(body.tools or ()):
         if not t.built_in and t.input_schema is None:
             raise bad_request(f"tools.{i}.input_schema: a custom tool needs an input_schema",
                               f"tools.{i}.input_schema")
+    tools = tuple(ToolSpec(t.name, t.description, t.input_schema)
+                  for t in body.tools or () if not t.built_in)
+    dropped = tuple(t.type or t.name for t in body.tools or () if t.built_in)
     enable, budget = _thinking(body, default_budget)
-    data: dict[str, Any] = {
-        "messages": messages, "chat_template_kwargs": {"enable_thinking": enable},
-        "session_id": body.session_id, "cache_salt": body.cache_salt,
-        "tools": [{"type": "function", "function": {
-            "name": t.name, "description": t.description, "parameters": t.input_schema}}
-            for t in tools] or None,
-        "tool_choice": _tool_choice(body.tool_choice, {t.name for t in tools}),
-    }
+    sampling = Sampling()
     if isinstance(body, MessagesRequest):
-        data.update(max_tokens=body.max_tokens, stream=body.stream, stop=body.stop_sequences,
-                    temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
-    if body.output_config is not None and body.output_config.format is not None:
-        raise bad_request("output_config.format: structured output is not supported by this "
-                          "server", "output_config.format")
-    try:
-        chat = ChatRequest.model_validate({k: v for k, v in data.items() if v is not None})
-    except ValidationError as exc:  # a value Messages allows but chat completions does not
-        first = exc.errors(include_url=False)[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise bad_request(f"this request cannot be served: {where}: {first['msg']}") from None
-    return ChatTurn(chat, budget, dropped)
+        sampling = Sampling(max_tokens=body.max_tokens, fit_to_context=True,
+                            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                            stop=tuple(body.stop_sequences or ()))
+    user = body.metadata.user_id if body.metadata else None
+    request = UnifiedRequest(
+        route=ROUTE, model=None, messages=messages, tools=tools,
+        tool_choice=_tool_choice(body.tool_choice, {t.name for t in tools}),
+        reasoning=enable, reasoning_budget=budget, sampling=sampling,
+        key_sources=(KeySource("id", body.session_id), KeySource("user", user)),
+        derive_key=True, cache_salt=body.cache_salt, merge_system=True)
+    return MessagesTurn(request, dropped)
 
 
 def _text(blocks: list, where: str) -> str:
@@ -249,40 +245,41 @@ def _refuse(block, where: str) -> None:
     raise bad_request(f"{where}: a {block.type} block cannot stand here", where)
 
 
-def _conversation(body: MessagesFields) -> tuple[list[str], list[dict]]:
-    """The system prompt's parts and the chat messages, in order."""
-    system: list[str] = []
+def _conversation(body: MessagesFields) -> tuple[ChatMessage, ...]:
+    """The chat messages, in order; the system prompt's parts are system messages where
+    they stand (the request merges them into one leading system message)."""
+    out: list[ChatMessage] = []
     if isinstance(body.system, str):
-        system.append(body.system)
+        out.append(ChatMessage("system", body.system))
     elif body.system:
-        system.append("\n".join(b.text for b in body.system))
-    out: list[dict] = []
+        out.append(ChatMessage("system", "\n".join(b.text for b in body.system)))
     for i, message in enumerate(body.messages):
         where = f"messages.{i}.content"
         blocks = message.blocks()
         if message.role == "system":
-            system.append(_text(blocks, where))
+            out.append(ChatMessage("system", _text(blocks, where)))
         elif message.role == "user":
             out.extend(_user(blocks, where))
         else:
             out.append(_assistant(blocks, where))
-    if not out:
+    turns = [m for m in out if m.role != "system"]
+    if not turns:
         raise bad_request("messages: at least one user message is needed", "messages")
-    if out[-1]["role"] == "assistant":
+    if turns[-1].role == "assistant":
         raise bad_request("messages: the last message must be the user's (continuing an "
                           "assistant message is not supported by this server)", "messages")
-    return system, out
+    return tuple(out)
 
 
-def _user(blocks: list, where: str) -> list[dict]:
+def _user(blocks: list, where: str) -> list[ChatMessage]:
     """A user message: its tool results as tool messages, its text as user messages, in
     the order they come."""
-    out: list[dict] = []
+    out: list[ChatMessage] = []
     text: list[str] = []
 
     def flush() -> None:
         if text:
-            out.append({"role": "user", "content": "".join(text)})
+            out.append(ChatMessage("user", "".join(text)))
             text.clear()
 
     for j, b in enumerate(blocks):
@@ -293,16 +290,16 @@ def _user(blocks: list, where: str) -> list[dict]:
             content = b.content
             if isinstance(content, list):
                 content = _text(content, f"{where}.{j}.content")
-            out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": content or ""})
+            out.append(ChatMessage("tool", content or "", tool_call_id=b.tool_use_id))
         else:
             _refuse(b, f"{where}.{j}")
     flush()
     return out
 
 
-def _assistant(blocks: list, where: str) -> dict:
-    """An assistant message: text, thinking as reasoning (redacted thinking is dropped: this
-    server cannot read it), tool calls."""
+def _assistant(blocks: list, where: str) -> ChatMessage:
+    """An assistant message, one model turn: text, thinking as reasoning (redacted thinking
+    is dropped: this server cannot read it), tool calls."""
     text, reasoning, calls = [], [], []
     for j, b in enumerate(blocks):
         if isinstance(b, TextBlock):
@@ -310,26 +307,24 @@ def _assistant(blocks: list, where: str) -> dict:
         elif isinstance(b, ThinkingBlock):
             reasoning.append(b.thinking)
         elif isinstance(b, ToolUseBlock):
-            calls.append({"id": b.id, "type": "function",
-                          "function": {"name": b.name, "arguments": b.input}})
+            calls.append(ToolCallRecord(b.id, b.name, b.input))
         elif not isinstance(b, RedactedThinkingBlock):
             _refuse(b, f"{where}.{j}")
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
-    if reasoning:
-        message["reasoning_content"] = "".join(reasoning)
-    if calls:
-        message["tool_calls"] = calls
-    return message
+    return ChatMessage("assistant", "".join(text),
+                       reasoning="".join(reasoning) if reasoning else None,
+                       tool_calls=tuple(calls))
 
 
-def _tool_choice(choice, names: set[str]) -> Any:
+def _tool_choice(choice, names: set[str]) -> str | None:
+    """Anthropic's tool choice in the request type's terms: auto, none, required or the
+    name of the one tool to call."""
     if choice is None:
         return None
     if choice.type == "tool":
         if choice.name not in names:
             raise bad_request(f"tool_choice: no tool named {choice.name!r} among the tools",
                               "tool_choice.name")
-        return {"type": "function", "function": {"name": choice.name}}
+        return choice.name
     if not names:
         if choice.type == "any":
             raise bad_request("tool_choice: 'any' needs tools", "tool_choice")
@@ -339,7 +334,8 @@ def _tool_choice(choice, names: set[str]) -> Any:
 
 def _thinking(body: MessagesFields, default_budget: int | None) -> tuple[bool, int | None]:
     """The template's thinking switch and the reasoning budget. No `thinking` is thinking
-    off, as on Anthropic's API; adaptive thinking takes its budget from the effort."""
+    off, as on Anthropic's API; adaptive thinking takes its budget from the effort, else the
+    server's default."""
     thinking = body.thinking
     if thinking is None or thinking.type == "disabled":
         return False, None
@@ -347,48 +343,3 @@ def _thinking(body: MessagesFields, default_budget: int | None) -> tuple[bool, i
         return True, thinking.budget_tokens
     effort = body.output_config.effort if body.output_config else None
     return True, budget_for_effort(effort, default_budget)
-
-
-# --- the session key -------------------------------------------------------------------------
-
-
-def messages_session_key(headers, body: MessagesFields, chat: ChatRequest, *,
-                         derive: bool) -> str | None:
-    """The session key, first found (server/sessions.py): `X-Session-Id`, `session_id`,
-    `metadata.user_id` (Claude Code puts its session there), then, unless turned off, the
-    digest of the instructions and the first user message, as for a chat request."""
-    user = body.metadata.user_id if body.metadata else None
-    sources = [header_source(headers), KeySource("id", body.session_id),
-               KeySource("user", user)]
-    if derive:
-        sources.append(KeySource("derived", chat_derived_key(chat)))
-    return session_key(sources)
-
-
-# --- errors -------------------------------------------------------------------------------------
-
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                403: "permission_error", 404: "not_found_error", 429: "rate_limit_error",
-                500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
-
-
-def error_body(error: ApiError) -> dict:
-    """Anthropic's error envelope. A 413 is an `invalid_request_error`: the `anthropic`
-    package's error types have no other name for it."""
-    kind = _ERROR_TYPES.get(error.status, "api_error" if error.status >= 500
-                            else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": error.message}}
-
-
-def error_response(error: ApiError) -> JSONResponse:
-    headers = {}
-    if error.retry_after is not None:
-        headers["Retry-After"] = str(max(1, round(error.retry_after)))
-    return JSONResponse(error_body(error), status_code=error.status, headers=headers)
-
-
-def signature(thinking: str) -> str:
-    """A thinking block's `signature`: opaque to clients, a digest of the text here (this
-    server reads thinking back as sent; it verifies nothing)."""
-    return hashlib.blake2b(json.dumps(thinking).encode("utf-8", "surrogatepass"),
-                           digest_size=16).hexdigest()

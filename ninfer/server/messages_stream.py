@@ -1,5 +1,7 @@
-"""Anthropic's Messages API, the response side: the message body and the stream's event
-grammar, built from a generation's deltas (reasoning, text, tool calls: server/parsing.py).
+"""Anthropic's Messages API, the response side: a generation's deltas (reasoning, text, tool
+calls: server/parsing.py) as a message body and as the stream's event grammar, in the bodies
+of messages_bodies.py. The response machinery (disconnect watching, waiting for the start,
+the whole body) is streaming.py's `GenerationResponse`.
 
 The stream: `message_start` (the message without content, usage with the prompt's
 figures), then per content block `content_block_start`, its deltas (`thinking_delta` and a
@@ -7,143 +9,51 @@ figures), then per content block `content_block_start`, its deltas (`thinking_de
 a tool call's whole input as JSON), `content_block_stop`; then `message_delta` (stop reason,
 the stop sequence that fired, usage) and `message_stop`. `ping` events keep the connection
 alive while nothing else is sent (a long prompt prefilling). A failure after the stream
-started is an `error` event.
-
-Usage as Anthropic counts it: `input_tokens` are the prompt tokens not read from the cache,
-`cache_read_input_tokens` the ones reused (the plan's reuse base), nothing is billed as
-cache creation. Bodies are strict and closed, like bodies.py's."""
+started is an `error` event; every error before it is Anthropic's envelope."""
 
 from __future__ import annotations
 
+import hashlib
 import json
-import time
-from typing import Annotated, Any, Literal
-
-from pydantic import Field
 
 from .bodies import Body
 from .errors import ApiError
 from .generation import Generation
-from .messages_api import error_body, signature
+from .messages_bodies import (
+    BlockDelta,
+    BlockStart,
+    BlockStop,
+    InputJsonDelta,
+    MessageBody,
+    MessageDelta,
+    MessageStart,
+    MessageStop,
+    MessagesUsage,
+    Ping,
+    SignatureDelta,
+    StopDelta,
+    TextContent,
+    TextDelta,
+    ThinkingContent,
+    ThinkingDelta,
+    ToolUseContent,
+    anthropic_error,
+)
 from .parsing import Delta
-from .streaming import GenerationResponse
-
-StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use",
-                     "model_context_window_exceeded"]
+from .streaming import StreamShape
 
 
-class MessagesUsage(Body):
-    input_tokens: int              # prompt tokens computed (not read from the cache)
-    output_tokens: int
-    cache_creation_input_tokens: int
-    cache_read_input_tokens: int   # prompt tokens reused
-
-
-class TextContent(Body):
-    type: Literal["text"] = "text"
-    text: str
-
-
-class ThinkingContent(Body):
-    type: Literal["thinking"] = "thinking"
-    thinking: str
-    signature: str
-
-
-class ToolUseContent(Body):
-    type: Literal["tool_use"] = "tool_use"
-    id: str
-    name: str
-    input: dict[str, Any]
-
-
-Content = Annotated[TextContent | ThinkingContent | ToolUseContent, Field(discriminator="type")]
-
-
-class MessageBody(Body):
-    id: str
-    type: Literal["message"] = "message"
-    role: Literal["assistant"] = "assistant"
-    model: str
-    content: list[Content]
-    stop_reason: StopReason | None     # None only in `message_start`
-    stop_sequence: str | None
-    usage: MessagesUsage
-
-
-class TokenCount(Body):
-    input_tokens: int
-
-
-# --- stream events ----------------------------------------------------------------------------
-
-
-class MessageStart(Body):
-    type: Literal["message_start"] = "message_start"
-    message: MessageBody
-
-
-class BlockStart(Body):
-    type: Literal["content_block_start"] = "content_block_start"
-    index: int
-    content_block: Content
-
-
-class TextDelta(Body):
-    type: Literal["text_delta"] = "text_delta"
-    text: str
-
-
-class ThinkingDelta(Body):
-    type: Literal["thinking_delta"] = "thinking_delta"
-    thinking: str
-
-
-class SignatureDelta(Body):
-    type: Literal["signature_delta"] = "signature_delta"
-    signature: str
-
-
-class InputJsonDelta(Body):
-    type: Literal["input_json_delta"] = "input_json_delta"
-    partial_json: str
-
-
-class BlockDelta(Body):
-    type: Literal["content_block_delta"] = "content_block_delta"
-    index: int
-    delta: Annotated[TextDelta | ThinkingDelta | SignatureDelta | InputJsonDelta,
-                     Field(discriminator="type")]
-
-
-class BlockStop(Body):
-    type: Literal["content_block_stop"] = "content_block_stop"
-    index: int
-
-
-class StopDelta(Body):
-    stop_reason: StopReason
-    stop_sequence: str | None
-
-
-class MessageDelta(Body):
-    type: Literal["message_delta"] = "message_delta"
-    delta: StopDelta
-    usage: MessagesUsage
-
-
-class MessageStop(Body):
-    type: Literal["message_stop"] = "message_stop"
-
-
-class Ping(Body):
-    type: Literal["ping"] = "ping"
-
-
-def event(body: Body | dict) -> bytes:
+def event(body: Body) -> bytes:
     """One server-sent event, named by the body's `type`."""
-    data = body if isinstance(body, dict) else body.model_dump()
+    data = body.model_dump()
     return f"event: {data['type']}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+def signature(thinking: str) -> str:
+    """A thinking block's `signature`: opaque to clients, a digest of the text here (this
+    server reads thinking back as sent; it verifies nothing)."""
+    return hashlib.blake2b(json.dumps(thinking).encode("utf-8", "surrogatepass"),
+                           digest_size=16).hexdigest()
 
 
 _BLOCK_OF = {"reasoning": "thinking", "content": "text", "tool_call": "tool_use"}
@@ -153,7 +63,7 @@ def tool_use_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
-class MessagesShape:
+class MessagesShape(StreamShape):
     """A generation's deltas as Messages content blocks and stream events. `model`: the name
     the client asked for (echoed); `clamped`: its `max_tokens` was lowered to what the
     context leaves, so reaching the limit is the context window's doing."""
@@ -213,12 +123,12 @@ class MessagesShape:
 
     # --- the stream ---------------------------------------------------------------------------
 
-    def message_start(self) -> bytes:
-        return event(MessageStart(message=MessageBody(
+    def opening(self) -> list[bytes]:
+        return [event(MessageStart(message=MessageBody(
             id=self.id, model=self.model, content=[], stop_reason=None, stop_sequence=None,
-            usage=self.usage())))
+            usage=self.usage())))]
 
-    def events(self, d: Delta) -> list[bytes]:
+    def on_delta(self, d: Delta) -> list[bytes]:
         """The events one delta makes: a new block where the kind changes."""
         kind = _BLOCK_OF[d.kind]
         out: list[bytes] = []
@@ -264,56 +174,11 @@ class MessagesShape:
         return [*self._close(), event(MessageDelta(delta=self.stop(), usage=self.usage())),
                 event(MessageStop())]
 
+    def failing(self, error: ApiError) -> list[bytes]:
+        return [event(anthropic_error(error))]
 
-class MessagesResponse(GenerationResponse):
-    """A generation answered in the Messages API's grammar: the same response machinery
-    (disconnect watching, waiting for the start, the whole body) with Anthropic's events
-    and error envelope."""
+    def keepalive(self) -> bytes:
+        return event(Ping())
 
-    shape: MessagesShape
-
-    async def _send_error(self, send, error: ApiError) -> None:
-        body = json.dumps(error_body(error)).encode()
-        extra = [(b"content-length", str(len(body)).encode())]
-        if error.retry_after is not None:
-            extra.append((b"retry-after", str(max(1, round(error.retry_after))).encode()))
-        await self._start(send, error.status, "application/json", extra)
-        await send({"type": "http.response.body", "body": body})
-
-    async def _stream(self, send, gone) -> None:
-        gen, shape = self.gen, self.shape
-        deltas = await self._until_started(send, gone)
-        if deltas is None:
-            return
-        await self._start(send, 200, "text/event-stream",
-                          [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")])
-        last_sent = time.monotonic()
-
-        async def emit(events: list[bytes]) -> None:
-            nonlocal last_sent
-            if gone.is_set() or not events:
-                return
-            await send({"type": "http.response.body", "body": b"".join(events),
-                        "more_body": True})
-            last_sent = time.monotonic()
-
-        await emit([shape.message_start()])
-        for d in deltas:
-            await emit(shape.events(d))
-        keepalive = gen.server.settings.keepalive_s
-        while gen.terminal is None and not gone.is_set():
-            got = await gen.next_event(min(keepalive, 0.25))
-            if got is not None:
-                for d in gen.absorb(got):
-                    await emit(shape.events(d))
-            # checked after events too: a prefill's progress events come more often than
-            # the wait's timeout, and send nothing
-            if time.monotonic() - last_sent >= keepalive:
-                await emit([event(Ping())])
-        if gone.is_set():
-            return
-        if gen.succeeded:
-            await emit(shape.closing())
-        else:
-            await emit([event(error_body(gen.failure()))])
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    def error_body(self, error: ApiError) -> dict:
+        return anthropic_error(error).model_dump()

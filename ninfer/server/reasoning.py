@@ -3,9 +3,12 @@ closes its reasoning block itself (the engine commits the close as if chosen:
 engine/budget.py), and how each API's request names one.
 
 A request's budget, first found: its own number (Anthropic's `thinking.budget_tokens`),
-else its effort through the table below (OpenAI's `reasoning_effort`, Anthropic's
-`output_config.effort` with adaptive thinking), else the server's `--reasoning-budget`
-(none by default: the model reasons until it closes the block or runs out of tokens).
+else its effort through the table below (chat completions' `reasoning_effort`, the Responses
+API's `reasoning.effort`, Anthropic's `output_config.effort` with adaptive thinking), else
+the server's `--reasoning-budget` (none by default: the model reasons until it closes the
+block or runs out of tokens). Each API's adapter resolves it into the request type underneath
+(`UnifiedRequest.reasoning_budget`); the one path underneath (submission.py) applies it with
+`bounded`, so it is enforced on every API.
 
 | effort  | budget (tokens) |
 | ---     | ---             |

@@ -61,13 +61,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL (an HF directory or a .ninfer file; the embedded tiny default "
-                    "when omitted) at /v1/chat/completions, /v1/completions, /v1/messages "
-                    "(Anthropic's), /v1/messages/count_tokens, /v1/models, /health and "
-                    "/metrics. A conversation's session key comes from the X-Session-Id "
-                    "header, else the session_id body field, else the prompt_cache_key body "
-                    "field (or Anthropic's metadata.user_id), else (unless "
-                    "--no-derive-session-keys) from the instructions and first user message. "
-                    "The tenant is the API key "
+                    "when omitted) at /v1/chat/completions, /v1/completions, /v1/responses, "
+                    "/v1/messages and /v1/messages/count_tokens (Anthropic's), /v1/models, "
+                    "/health and /metrics, described at /openapi.json and /docs. A "
+                    "conversation's session key comes from the X-Session-Id header, else the "
+                    "session_id body field, else the prompt_cache_key body field (or "
+                    "Anthropic's metadata.user_id), else (unless --no-derive-session-keys) "
+                    "from the instructions and first user message. The tenant is the API key "
                     "together with the request's cache_salt.",
         formatter_class=_Defaults)
     p.add_argument("model", nargs="?", default=None,
@@ -87,8 +87,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="reasoning tokens a request may write before the server closes its "
                         "reasoning block itself, when the request names no budget or effort "
                         "(default: none, the model closes it or runs out of tokens)")
-    # an agent's system prompt and tools run to tens of KB (Claude Code's: 77 KB, 42K tokens
-    # of the embedded model's tokenizer), so the defaults fit one and its conversation
+    # an agent's system prompt and tools run to tens of KB (Claude Code 2.1's with every tool
+    # in the prompt: 80 KB, 42K tokens of the embedded model's tokenizer; the Codex CLI's
+    # about 20K), so the defaults fit one and its conversation
     p.add_argument("--max-context", type=_positive, default=65_536,
                    help="most tokens per request, prompt and output together")
     p.add_argument("--kv-capacity", type=_positive, default=131_072,
@@ -130,7 +131,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "prompt, so a client that rewrites recent history resumes from the "
                         "nearest one (0: none)")
     p.add_argument("--default-max-tokens", type=_positive, default=512,
-                   help="output limit when a request sets none (capped by the context)")
+                   help="output limit when a chat or text completion sets none (capped by "
+                        "the context); a Responses API request without max_output_tokens "
+                        "runs to the context's end, as OpenAI's does")
     p.add_argument("--journal", default=None,
                    help=f"event journal (SQLite) path (default {default_journal()})")
     p.add_argument("--journal-content", choices=["tokens", "hashes"], default="tokens",

@@ -2,14 +2,15 @@
 
 Session key (the conversation a request belongs to): each API adapter lists where its
 requests may carry one, in order of precedence, as `KeySource`s; the first with a value
-wins. Chat and text completions (`openai_session_key`):
-  1. the `X-Session-Id` header;
-  2. the `session_id` body field;
-  3. OpenAI's `prompt_cache_key` body field;
-  4. unless `--no-derive-session-keys` (chat only): a digest of the instructions (system and
-     developer messages, in order) and the first user message.
-Another adapter passes its own fields (Anthropic's `metadata.user_id`) among the same
-sources, and its own instructions and first user message to `derived_key`.
+wins (`submission.request_session_key` puts them together for a `UnifiedRequest`):
+  1. the `X-Session-Id` header, for every API;
+  2. the API's own fields: chat and text completions' `session_id`, then OpenAI's
+     `prompt_cache_key`; the Responses API's `prompt_cache_key`; the Messages API's
+     `session_id`, then Anthropic's `metadata.user_id` (where Claude Code puts its session);
+  3. unless `--no-derive-session-keys` (chat, responses and messages, not text
+     completions): a digest of the instructions (system and developer messages, in order,
+     before any merging) and the first user message, so the same conversation gets the same
+     key whichever API sends it.
 A request without a key is planned from shared prefixes only.
 
 Tenant (who may see a cache entry): the API key in use (its digest: keys never reach the
@@ -26,7 +27,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 from .errors import ApiError
-from .schemas import ChatRequest, CompletionRequest
 
 SESSION_HEADER = "x-session-id"
 
@@ -71,22 +71,6 @@ def derived_key(instructions: Sequence[str], first_user: str | None) -> str | No
     if first_user is None:
         return None
     return _digest(*instructions, "\x00user", first_user)
-
-
-def chat_derived_key(body: ChatRequest) -> str | None:
-    instructions = [m.text() for m in body.messages if m.role in ("system", "developer")]
-    first_user = next((m.text() for m in body.messages if m.role == "user"), None)
-    return derived_key(instructions, first_user)
-
-
-def openai_session_key(headers, body: ChatRequest | CompletionRequest, *,
-                       derive: bool) -> str | None:
-    """Chat and text completions' session key (the module's docstring gives the order)."""
-    sources = [header_source(headers), KeySource("id", body.session_id),
-               KeySource("cache", body.prompt_cache_key)]
-    if derive and isinstance(body, ChatRequest):
-        sources.append(KeySource("derived", chat_derived_key(body)))
-    return session_key(sources)
 
 
 def tenant(api_key: str | None, cache_salt: str | None) -> str:

@@ -1,5 +1,8 @@
-"""The responses of a generation: SSE (role chunk, deltas, finish chunk, optional usage
-chunk, `[DONE]`, keep-alive comments while nothing else is sent) or one JSON body.
+"""The responses of a generation: SSE events or one JSON body, in the grammar of the API
+called (a `StreamShape`: chat and text completions' `Shape` here, the Responses API's in
+responses_stream.py). Chat and text completions stream a role chunk, deltas, a finish chunk,
+an optional usage chunk and `[DONE]`; every stream has keep-alive comments while nothing
+else is sent.
 
 Both watch the connection: a task awaits the ASGI `http.disconnect` message while the
 response is produced, and the moment it arrives the engine request is cancelled (the engine
@@ -13,6 +16,7 @@ import asyncio
 import json
 import logging
 import time
+from abc import ABC, abstractmethod
 
 from starlette.responses import Response
 
@@ -55,7 +59,42 @@ def sse(data: Body | dict | str) -> bytes:
     return f"data: {text}\n\n".encode()
 
 
-class Shape:
+class StreamShape(ABC):
+    """How one API writes a generation on the wire. A stream is `opening()`, then
+    `on_delta(d)` for each delta, then `closing()` when the generation succeeded or
+    `failing(error)` when it did not, each a list of SSE events, with `keepalive()` whenever
+    nothing else was sent for the keep-alive interval; a whole body is `body(deltas)`, an
+    error before the stream started `error_body(error)` (OpenAI's shape unless the API has
+    its own). Created for one generation, used on the event loop's thread."""
+
+    @abstractmethod
+    def opening(self) -> list[bytes]:
+        ...
+
+    @abstractmethod
+    def on_delta(self, d: Delta) -> list[bytes]:
+        ...
+
+    @abstractmethod
+    def closing(self) -> list[bytes]:
+        ...
+
+    @abstractmethod
+    def failing(self, error: ApiError) -> list[bytes]:
+        ...
+
+    @abstractmethod
+    def body(self, deltas: list[Delta]) -> Body:
+        ...
+
+    def keepalive(self) -> bytes:
+        return b": keep-alive\n\n"
+
+    def error_body(self, error: ApiError) -> dict:
+        return error.body()
+
+
+class Shape(StreamShape):
     """How deltas look on the wire for one route (chat or text completions): the bodies of
     `bodies`, built from a generation's deltas and figures."""
 
@@ -155,6 +194,22 @@ class Shape:
     def usage_chunk(self) -> ChatCompletionChunk | TextCompletion:
         return self._chunk([], usage=self.gen.usage(), timings=self.gen.timings())
 
+    def opening(self) -> list[bytes]:
+        role = self.role_chunk()
+        return [] if role is None else [sse(role)]
+
+    def on_delta(self, d: Delta) -> list[bytes]:
+        return [sse(self.delta_chunk(d))]
+
+    def closing(self) -> list[bytes]:
+        out = [sse(self.finish_chunk())]
+        if self.include_usage:
+            out.append(sse(self.usage_chunk()))
+        return [*out, sse("[DONE]")]
+
+    def failing(self, error: ApiError) -> list[bytes]:
+        return [sse(error.body()), sse("[DONE]")]
+
     def body(self, deltas: list[Delta]) -> ChatCompletion | TextCompletion:
         gen = self.gen
         if not self.chat:
@@ -179,7 +234,7 @@ class Shape:
 class GenerationResponse(Response):
     """An ASGI response that runs a submitted generation to its end."""
 
-    def __init__(self, gen: Generation, shape: Shape, *, stream: bool) -> None:
+    def __init__(self, gen: Generation, shape: StreamShape, *, stream: bool) -> None:
         super().__init__()
         self.gen, self.shape, self.stream = gen, shape, stream
         self.status_sent: int | None = None
@@ -231,7 +286,7 @@ class GenerationResponse(Response):
         self.status_sent = status
 
     async def _send_error(self, send, error: ApiError) -> None:
-        body = json.dumps(error.body()).encode()
+        body = json.dumps(self.shape.error_body(error)).encode()
         extra = [(b"content-length", str(len(body)).encode())]
         if error.retry_after is not None:
             extra.append((b"retry-after", str(max(1, round(error.retry_after))).encode()))
@@ -293,29 +348,26 @@ class GenerationResponse(Response):
                 return
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
-        role = shape.role_chunk()
-        if role is not None:
-            await emit(sse(role))
+        for data in shape.opening():
+            await emit(data)
         for d in deltas:
-            await emit(sse(shape.delta_chunk(d)))
+            for data in shape.on_delta(d):
+                await emit(data)
         keepalive = self.gen.server.settings.keepalive_s
         while gen.terminal is None and not gone.is_set():
             event = await gen.next_event(min(keepalive, 0.25))
-            if event is None:
-                if time.monotonic() - self._last_sent >= keepalive:
-                    await emit(b": keep-alive\n\n")
+            if event is not None:
+                for d in gen.absorb(event):
+                    for data in shape.on_delta(d):
+                        await emit(data)
                     self._last_sent = time.monotonic()
-                continue
-            for d in gen.absorb(event):
-                await emit(sse(shape.delta_chunk(d)))
+            # checked after events too: a prefill's progress events may come more often than
+            # the wait's timeout, and they send nothing
+            if time.monotonic() - self._last_sent >= keepalive:
+                await emit(shape.keepalive())
                 self._last_sent = time.monotonic()
         if gone.is_set():
             return
-        if gen.succeeded:
-            await emit(sse(shape.finish_chunk()))
-            if shape.include_usage:
-                await emit(sse(shape.usage_chunk()))
-        else:
-            await emit(sse(gen.failure().body()))
-        await emit(sse("[DONE]"))
+        for data in shape.closing() if gen.succeeded else shape.failing(gen.failure()):
+            await emit(data)
         await send({"type": "http.response.body", "body": b"", "more_body": False})

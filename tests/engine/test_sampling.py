@@ -39,6 +39,17 @@ def test_temperature_sharpens():
     assert cold[0] > hot[0]
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-12])
+def test_a_tiny_temperature_is_a_point_mass_not_nan(temperature):
+    """Dividing unshifted logits by a tiny temperature overflowed to inf, and softmax gave
+    NaN, which stopped the engine (found by the schema fuzzer)."""
+    p = probabilities(LOGITS, SamplingConfig(temperature=temperature, top_p=0.9))
+    assert p.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+    masked = LOGITS.clone()
+    masked[0] = float("-inf")
+    assert probabilities(masked, SamplingConfig(temperature=temperature)).argmax() == 1
+
+
 def test_penalties_lower_seen_tokens():
     out = apply_penalties(LOGITS, [1, 1, 3], SamplingConfig(presence_penalty=0.5,
                                                             frequency_penalty=0.25))

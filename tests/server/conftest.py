@@ -159,3 +159,32 @@ def scripted(live, monkeypatch):
 
     monkeypatch.setattr(live.server, "tokenizer", Stub())
     return script
+
+
+class _Special:
+    """The tokenizer's special tokens, with every id an end-of-text one."""
+
+    def __init__(self, special, vocab_size: int) -> None:
+        self._special, self.stop_ids = special, frozenset(range(vocab_size))
+
+    def __getattr__(self, name):
+        return getattr(self._special, name)
+
+
+@pytest.fixture
+def ends_at_once(live, monkeypatch):
+    """The next generations 'write' a given text and end at their first token, as a model
+    that stops by itself does (the random model almost never does)."""
+    tokenizer = live.server.tokenizer
+    script: list[str] = []
+    special = _Special(tokenizer.special, live.server.vocab_size)
+
+    class Stub:
+        def __getattr__(self, name):
+            return special if name == "special" else getattr(tokenizer, name)
+
+        def stream(self, **kw):
+            return ScriptedText(script)
+
+    monkeypatch.setattr(live.server, "tokenizer", Stub())
+    return script

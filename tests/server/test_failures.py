@@ -60,3 +60,21 @@ def test_keepalive_comments_during_a_long_prefill(live):
     assert '"role": "assistant"' in lines[data[0]]
     assert ": keep-alive" in lines[data[0]:data[1]]  # between the role chunk and the first token
     assert lines[data[-1]] == "data: [DONE]"
+
+
+def test_a_responses_stream_that_fails_ends_with_response_failed(live, broken_prefill):
+    from .responses_helpers import events_of, strict_event
+
+    body = {"max_output_tokens": 3, "input": "please BREAK now"}
+    r = httpx.post(live.url + "/v1/responses", json=body, timeout=20)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+    events = events_of(httpx.post(live.url + "/v1/responses", json={**body, "stream": True},
+                                  timeout=20))
+    for event in events:
+        strict_event(event)
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress",
+                                           "response.failed"]
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+    ok = httpx.post(live.url + "/v1/responses", json={**body, "input": "all fine"}, timeout=20)
+    assert ok.status_code == 200

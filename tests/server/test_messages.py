@@ -304,15 +304,6 @@ def test_pings_while_a_long_prompt_prefills(live):
     assert time.monotonic() - started > 1.0
 
 
-def test_the_bench_client_reads_the_messages_stream(live):
-    """`ninfer bench serve` times the Messages API with this client: its figures are the
-    stream's own."""
-    from ninfer.bench.serve import _stream_messages
-    run = _stream_messages(live.url, {"model": MODEL, "max_tokens": 6, "temperature": 0,
-                                      "messages": [{"role": "user", "content": "bench"}]})
-    assert run["output"] == 6 and 0 < run["ttft"] < run["total"]
-
-
 def test_count_tokens_of_a_conversation_with_tools_thinking_and_results(live, client):
     messages = [
         {"role": "user", "content": "Weather in Oslo?"},

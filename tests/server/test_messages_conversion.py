@@ -1,12 +1,17 @@
-"""The one conversion of a Messages request into a chat request (messages_api.to_chat): what
-each block, field and setting becomes, without a server."""
+"""The one conversion of a Messages request into the request type underneath
+(messages_api.to_unified): what each block, field and setting becomes, without a server; and
+the same conversation sent as a chat completion converts to the same messages and tools."""
 
 from __future__ import annotations
 
 import pytest
 
 from ninfer.server.errors import ApiError
-from ninfer.server.messages_api import CountTokensRequest, MessagesRequest, to_chat
+from ninfer.server.messages_api import CountTokensRequest, MessagesRequest, to_unified
+from ninfer.server.schemas import ChatRequest
+from ninfer.server.sessions import KeySource
+from ninfer.server.submission import request_session_key
+from ninfer.server.unified import Sampling, from_chat
 
 TOOL = {"name": "get_weather", "description": "Weather for a city",
         "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
@@ -15,11 +20,11 @@ TOOL = {"name": "get_weather", "description": "Weather for a city",
 
 def convert(default_budget=None, **body):
     body = {"model": "claude-x", "max_tokens": 5, **body}
-    return to_chat(MessagesRequest.model_validate(body), default_budget=default_budget)
+    return to_unified(MessagesRequest.model_validate(body), default_budget=default_budget)
 
 
 def templated(turn) -> list[dict]:
-    return [m.for_template() for m in turn.chat.messages]
+    return turn.request.template_messages()
 
 
 def test_a_whole_conversation():
@@ -52,26 +57,54 @@ def test_a_whole_conversation():
         {"role": "tool", "content": "sunny", "tool_call_id": "toolu_1"},
         {"role": "tool", "content": "no data", "tool_call_id": "toolu_2"},
         {"role": "user", "content": "And now?"}]
-    assert [t.function.name for t in turn.chat.tools] == ["get_weather"]
-    assert turn.chat.tools[0].function.parameters == TOOL["input_schema"]
+    assert [t.name for t in turn.request.tools] == ["get_weather"]
+    assert turn.request.tools[0].parameters == TOOL["input_schema"]
     assert turn.dropped_tools == ()
+    assert turn.request.merge_system and turn.request.instructions() == [
+        "Rules.\nMore rules.\n\nLate rules."]
+
+
+def test_the_same_conversation_as_a_chat_completion_converts_to_the_same_request():
+    """What the template renders, the derived session key's inputs and the tools are the
+    chat completion's: a conversation reuses as much whichever API continues it."""
+    messages = convert(system="Be brief.", tools=[TOOL], messages=[
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "hm", "signature": "s"},
+            {"type": "text", "text": "Checking."},
+            {"type": "tool_use", "id": "c1", "name": "get_weather", "input": {"city": "Oslo"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1",
+                                      "content": "sun"}]}]).request
+    chat = from_chat(ChatRequest.model_validate({
+        "messages": [{"role": "system", "content": "Be brief."},
+                     {"role": "user", "content": "Weather?"},
+                     {"role": "assistant", "content": "Checking.", "reasoning_content": "hm",
+                      "tool_calls": [{"id": "c1", "type": "function", "function": {
+                          "name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+                     {"role": "tool", "tool_call_id": "c1", "content": "sun"}],
+        "tools": [{"type": "function", "function": {
+            "name": "get_weather", "description": "Weather for a city",
+            "parameters": TOOL["input_schema"]}}]}), default_budget=None)
+    assert messages.template_messages() == chat.template_messages()
+    assert messages.template_tools() == chat.template_tools()
+    assert request_session_key({}, messages, derive=True) == request_session_key(
+        {}, chat, derive=True)
 
 
 @pytest.mark.parametrize("choice,expected", [
     ({"type": "auto"}, "auto"), ({"type": "any"}, "required"), ({"type": "none"}, "none"),
     ({"type": "tool", "name": "get_weather"}, "get_weather")])
 def test_tool_choice(choice, expected):
-    chat = convert(tools=[TOOL], tool_choice=choice,
-                   messages=[{"role": "user", "content": "x"}]).chat
-    got = chat.tool_choice if isinstance(chat.tool_choice, str) else \
-        chat.tool_choice.function["name"]
-    assert got == expected
+    request = convert(tools=[TOOL], tool_choice=choice,
+                      messages=[{"role": "user", "content": "x"}]).request
+    assert request.tool_choice == expected
+    assert request.parses_tools == (expected != "none")
 
 
 def test_built_in_tools_are_dropped_and_tool_choice_goes_with_them():
     turn = convert(tools=[{"type": "web_search_20250305", "name": "web_search"}],
                    tool_choice={"type": "auto"}, messages=[{"role": "user", "content": "x"}])
-    assert turn.chat.tools is None and turn.chat.tool_choice is None
+    assert turn.request.tools == () and turn.request.tool_choice is None
     assert turn.dropped_tools == ("web_search_20250305",)
 
 
@@ -90,23 +123,26 @@ def test_thinking_and_effort(thinking, effort, expected):
     if effort is not None:
         extra["output_config"] = {"effort": effort}
     turn = convert(default_budget=77, messages=[{"role": "user", "content": "x"}], **extra)
-    assert (turn.chat.enable_thinking(), turn.reasoning_budget) == expected
+    assert (turn.request.reasoning, turn.request.reasoning_budget) == expected
 
 
-def test_sampling_fields_and_stops():
-    chat = convert(temperature=0.3, top_p=0.9, top_k=20, stop_sequences=["A", "B"],
-                   stream=True, metadata={"user_id": "u"}, session_id="s", cache_salt="c",
-                   messages=[{"role": "user", "content": "x"}]).chat
-    assert (chat.temperature, chat.top_p, chat.top_k, chat.stop, chat.stream) == (
-        0.3, 0.9, 20, ["A", "B"], True)
-    assert (chat.max_tokens, chat.session_id, chat.cache_salt) == (5, "s", "c")
+def test_sampling_fields_stops_session_sources_and_salt():
+    request = convert(temperature=0.3, top_p=0.9, top_k=20, stop_sequences=["A", "B", "C", "D",
+                                                                            "E"],
+                      stream=True, metadata={"user_id": "u"}, session_id="s", cache_salt="c",
+                      messages=[{"role": "user", "content": "x"}]).request
+    assert request.sampling == Sampling(max_tokens=5, fit_to_context=True, temperature=0.3,
+                                        top_p=0.9, top_k=20, stop=("A", "B", "C", "D", "E"))
+    assert request.key_sources == (KeySource("id", "s"), KeySource("user", "u"))
+    assert request.derive_key and request.cache_salt == "c" and request.model is None
+    assert request.route == "anthropic-messages"
 
 
 def test_a_token_count_needs_no_max_tokens():
-    turn = to_chat(CountTokensRequest.model_validate({
+    turn = to_unified(CountTokensRequest.model_validate({
         "model": "claude-x", "messages": [{"role": "user", "content": "x"}]}),
         default_budget=None)
-    assert turn.chat.max_tokens is None and turn.chat.messages[0].content == "x"
+    assert turn.request.sampling == Sampling() and turn.request.first_user() == "x"
 
 
 @pytest.mark.parametrize("messages,says", [
@@ -123,6 +159,11 @@ def test_what_cannot_be_served_is_a_400(messages, says):
     assert caught.value.status == 400 and says in caught.value.message
 
 
-def test_a_value_chat_completions_refuses_is_a_400_in_words():
-    with pytest.raises(ApiError, match="cannot be served: tools"):
-        convert(tools=[{**TOOL, "name": "x" * 100}], messages=[{"role": "user", "content": "x"}])
+def test_a_tool_name_anthropic_allows_is_served_as_named():
+    """Anthropic's names run to 128 characters (chat completions' to 64): the request keeps
+    the name the client gave."""
+    request = convert(tools=[{**TOOL, "name": "x" * 100}],
+                      tool_choice={"type": "tool", "name": "x" * 100},
+                      messages=[{"role": "user", "content": "x"}]).request
+    assert request.template_tools()[0]["function"]["name"] == "x" * 100
+    assert request.tool_choice == "x" * 100

@@ -15,6 +15,8 @@ from ninfer.server import sessions
 from ninfer.server.errors import ApiError
 from ninfer.server.schemas import ChatRequest, CompletionRequest
 from ninfer.server.serve import add_serve_parser, settings_from
+from ninfer.server.submission import request_session_key
+from ninfer.server.unified import from_chat, from_completion
 
 MODEL = "tiny-qwen3-next-v1"
 SYSTEM = {"role": "system", "content": "You are the dispatcher of a small harbour: answer "
@@ -139,7 +141,12 @@ def _chat(**fields) -> ChatRequest:
 
 def test_the_first_source_found_wins_and_sources_never_collide():
     header = {"x-session-id": "abc"}
-    key = sessions.openai_session_key
+
+    def key(headers, body, derive):
+        unified = (from_chat(body, default_budget=None) if isinstance(body, ChatRequest)
+                   else from_completion(body))
+        return request_session_key(headers, unified, derive=derive)
+
     full = _chat(session_id="abc", prompt_cache_key="abc")
     assert key(header, full, derive=True) == "id-abc"
     assert key({}, full, derive=True) == "id-abc"            # session_id: the header's name
