@@ -1,6 +1,8 @@
-"""Reasoning budgets through chat completions: the effort table, the server's default
-(`--reasoning-budget`), the close the server commits at the budget, and the answer after it
-parsed and streamed as usual (nothing of the close in the reasoning or the content)."""
+"""Reasoning budgets: the effort table, the server's default (`--reasoning-budget`), the close
+the server commits at the budget, and the answer after it parsed and streamed as usual
+(nothing of the close in the reasoning or the content), through chat completions and the
+Responses API here (the Messages API's `budget_tokens`: test_messages.py). Each API names its
+budget in its own fields; the one path underneath enforces it."""
 
 from __future__ import annotations
 
@@ -81,3 +83,47 @@ def test_reasoning_effort_names_the_budget(live):
     assert "reasoning_budget" not in journaled(live, off.headers["x-request-id"])[0]
     plain = chat(live, max_tokens=2)
     assert "reasoning_budget" not in journaled(live, plain.headers["x-request-id"])[0]
+
+
+def responses(live, **body) -> httpx.Response:
+    return httpx.post(live.url + "/v1/responses", timeout=60, json={
+        "model": MODEL, "input": "Think, then answer.", "temperature": 0, **body})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_responses_api_closes_the_reasoning_at_its_budget(live, stream):
+    """Its effort names no budget here, so the server's default binds; the answer follows the
+    close as an output_text part."""
+    close = live.server.tokenizer.encode(CLOSE_TEXT)
+    with live.configured(reasoning_budget=3):
+        r = responses(live, max_output_tokens=12, stream=stream)
+    params, out = journaled(live, r.headers["x-request-id"])
+    assert params["reasoning_budget"] == 3 and out[3:3 + len(close)] == close
+    if stream:
+        events = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: {")]
+        reasoning = "".join(e["delta"] for e in events
+                            if e["type"] == "response.reasoning_text.delta")
+        content = "".join(e["delta"] for e in events
+                          if e["type"] == "response.output_text.delta")
+    else:
+        output = r.json()["output"]
+        reasoning = "".join(p["text"] for item in output if item["type"] == "reasoning"
+                            for p in item["content"])
+        content = "".join(p["text"] for item in output if item["type"] == "message"
+                          for p in item["content"])
+    assert reasoning == live.server.tokenizer.decode(out[:3])
+    assert content and content == live.server.tokenizer.decode(out[3 + len(close):])
+    for text in (reasoning, content):
+        assert THINK_CLOSE not in text and THINK_OPEN not in text
+
+
+def test_the_responses_apis_effort_names_the_budget(live):
+    def budget(effort: str) -> int | None:
+        with live.configured(reasoning_budget=3):
+            r = responses(live, max_output_tokens=2, reasoning={"effort": effort})
+        return journaled(live, r.headers["x-request-id"])[0].get("reasoning_budget")
+
+    assert budget("low") == 1024 and budget("xhigh") == 32_768
+    assert budget("max") is None       # no budget, whatever the server's default
+    assert budget("none") is None      # thinking off: nothing to budget
