@@ -1,4 +1,5 @@
-"""The `ninfer` command: serve | fuzz | bench (more subcommands arrive with their issues)."""
+"""The `ninfer` command: serve | fuzz | bench | train (more subcommands arrive with their
+issues)."""
 
 from __future__ import annotations
 
@@ -85,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("out", help="the .ninfer file to write")
     convert.add_argument("--quiet", action="store_true", help="no progress bar")
     convert.set_defaults(func=_convert)
+
+    from .train.cli import DESCRIPTION as TRAIN_DESCRIPTION
+    from .train.cli import configure as configure_train
+    train = sub.add_parser("train", help="build the corpus, train and evaluate the default model",
+                           description=TRAIN_DESCRIPTION,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    configure_train(train)
 
     fuzz = sub.add_parser("fuzz", help="long invariant fuzzing (not CI)")
     fuzz_sub = fuzz.add_subparsers(dest="target", required=True)

@@ -54,6 +54,12 @@ RULES = [
     ("ninfer.server", "torch", ()),
     ("ninfer.tools", "ninfer.server", ()),
     ("kernels", "ninfer", ("ninfer.flags",)),
+    ("ninfer.model", "ninfer.train", ()),
+    ("ninfer.engine", "ninfer.train", ()),
+    ("ninfer.train", "ninfer.server", ()),
+    ("ninfer.train", "ninfer.tools", ()),
+    ("ninfer.train", "ninfer.bench", ()),
+    ("ninfer.train", "kernels", ()),
     ("ninfer", "tests", ()),
     ("ninfer", "pytest", ()),
 ]
@@ -105,7 +111,9 @@ def test_the_rules_catch_a_forbidden_import():
 TORCH_FREE = ["ninfer.lifecycle.machine", "ninfer.lifecycle.store", "ninfer.lifecycle.planner",
               "ninfer.lifecycle.checks", "ninfer.lifecycle.reader", "ninfer.lifecycle.journal",
               "ninfer.engine.scheduler", "ninfer.model.protocol", "ninfer.model.pools",
-              "ninfer.model.sim_model", "ninfer.tools.journal"]
+              "ninfer.model.sim_model", "ninfer.tools.journal", "ninfer.model.bpe",
+              "ninfer.train.sources", "ninfer.train.examples", "ninfer.train.corpus",
+              "ninfer.train.recipe", "ninfer.train.cli"]
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)

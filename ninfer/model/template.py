@@ -257,3 +257,10 @@ QWEN3_STYLE_TEMPLATE = r"""
     {%- endif -%}
 {%- endif -%}
 """.strip()
+
+# The same template with thinking off unless a request turns it on (`enable_thinking=True`):
+# the generation prompt closes an empty think block, so a model trained without reasoning
+# (the trained default model) answers at once, in `content`.
+QWEN3_STYLE_TEMPLATE_THINKING_OFF = QWEN3_STYLE_TEMPLATE.replace(
+    "{%- if enable_thinking is defined and not enable_thinking -%}",
+    "{%- if not enable_thinking -%}")

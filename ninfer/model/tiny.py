@@ -21,19 +21,11 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
-from tokenizers import Tokenizer as BackendTokenizer
 
+from .bpe import ADDED, added_ids, tokenizer_config, train_bpe
 from .config import ModelConfig, expected_tensors
 from .template import QWEN3_STYLE_TEMPLATE
 
-SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-TAGS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
-        "</tool_response>")
-# The split Qwen2/3 tokenizers apply before byte-level BPE (as transformers' Qwen2Tokenizer
-# rebuilds it, so both tokenize alike).
-_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _PADDING = 16  # vocab rows past the tokenizer's, as real checkpoints pad their embeddings
 
 # --- the corpus ------------------------------------------------------------------------------
@@ -122,23 +114,10 @@ def corpus(lines: int = 8000) -> list[str]:
 
 
 @lru_cache(maxsize=4)
-def train_tokenizer(bpe_size: int = 4096 - _PADDING - len(SPECIAL) - len(TAGS)) -> str:
+def train_tokenizer(bpe_size: int = 4096 - _PADDING - len(ADDED)) -> str:
     """tokenizer.json text: byte-level BPE with `bpe_size` tokens, then the Qwen-style added
     tokens after them (ids bpe_size...): three special, the tags not (decode keeps them)."""
-    tok = BackendTokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=bpe_size, min_frequency=2, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus(), trainer)
-    if tok.get_vocab_size() != bpe_size:  # ids of the added tokens must not move
-        raise RuntimeError(f"the corpus yields {tok.get_vocab_size()} BPE tokens, not {bpe_size}")
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAGS])
-    return tok.to_str(pretty=True)
+    return train_bpe(corpus(), bpe_size)
 
 
 # --- the model -------------------------------------------------------------------------------
@@ -230,14 +209,13 @@ def make_tiny(out_dir: str | Path, *, family: str = "qwen3_next", moe: bool = Fa
     if weight_dtype not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be a floating point torch dtype, got {dtype!r}")
     tokenizer_json = train_tokenizer()
-    tok = BackendTokenizer.from_str(tokenizer_json)
-    ids = {t: tok.token_to_id(t) for t in (*SPECIAL, *TAGS)}
+    ids = added_ids(tokenizer_json)
     endoftext, im_end = ids["<|endoftext|>"], ids["<|im_end|>"]
     config = dataclasses.replace(tiny_config(family, moe, bos=endoftext, eos=(im_end,)),
                                  **config_overrides)
-    if tok.get_vocab_size() > config.vocab_size:
+    if max(ids.values()) >= config.vocab_size:
         raise ValueError(f"vocab_size {config.vocab_size} < the tokenizer's "
-                         f"{tok.get_vocab_size()}")
+                         f"{max(ids.values()) + 1}")
     config_json = {**config.to_dict(), "dtype": str(weight_dtype).removeprefix("torch."),
                    "initializer_range": 0.02}
     ModelConfig.from_dict(config_json)  # overrides that break the config fail here, early
@@ -252,14 +230,8 @@ def make_tiny(out_dir: str | Path, *, family: str = "qwen3_next", moe: bool = Fa
         "top_p": 0.95})
 
     (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
-    added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                      "single_word": False, "special": t in SPECIAL} for t, i in ids.items()}
-    _write_json(out / "tokenizer_config.json", {
-        "add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": added,
-        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "unk_token": None, "clean_up_tokenization_spaces": False, "errors": "replace",
-        "model_max_length": config.max_position_embeddings, "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer", "chat_template": QWEN3_STYLE_TEMPLATE})
+    _write_json(out / "tokenizer_config.json", tokenizer_config(
+        tokenizer_json, QWEN3_STYLE_TEMPLATE, config.max_position_embeddings))
 
     tensors = {name: random_tensor(name, shape, seed).to(weight_dtype)
                for name, shape in expected_tensors(config).items()}

@@ -1,0 +1,293 @@
+"""`ninfer train eval MODEL --corpus DIR`: the figures of issue 31, on the corpus's held-out
+modules, greedy, without constrained decoding.
+
+- bpb: bits per byte of the held-out source files, each file read in windows of `window`
+  tokens from a fresh state (each window begins with <|endoftext|>, so every token is
+  predicted), against `xz -9` (lzma preset 9) on the same bytes joined into one stream.
+- docstrings: of the held-out docstring prompts, the share of greedy answers (at most 256
+  tokens) that `ast.parse` accepts, the answer being the reply's text as a client receives
+  it (the generation prompt closes the think block: the whole reply is content).
+- tools: of the held-out tool prompts, the share whose reply holds a well-formed call
+  (`<tool_call>` JSON with a name and an arguments object, closed) to a listed tool, with
+  arguments that validate against its schema: every required parameter, no parameter the
+  schema does not list, each of its JSON type. Also the share calling the requested tool.
+- drafting: held-out code continuations (raw text, no chat template) decoded at batch 1 by
+  the engine, as served: tokens per verify with `--spec mtp` at draft lengths 1, 2, 3 and
+  with n-gram drafting at 3 (drafting adaptive, as the server runs it: the draft length
+  follows acceptance, up to k), and the decode speed-up of `mtp` at 3 over `none`.
+
+Generation goes through the engine (`ninfer.engine`) over `ninfer.model.runtime`'s model,
+the serving path; only the bits per byte read the model's forward directly.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import lzma
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ..engine.engine import Engine, EngineConfig, Submit, run_until_idle
+from ..lifecycle.request import SamplingParams
+from ..model.hybrid import HybridState
+from ..model.pools import BlockPool, SlotPool
+from ..model.runtime import OpenModel
+from . import examples as ex
+from .corpus import Corpus
+
+PARTS = ("bpb", "docstrings", "tools", "drafting")
+MAX_TOKENS = 256
+CONTINUATION_PROMPT = 256   # tokens of each continuation prompt
+CONTINUATION_TOKENS = 128   # tokens decoded after it
+DRAFTS = (("mtp", 1), ("mtp", 2), ("mtp", 3), ("ngram", 3))
+
+
+# --- bits per byte ---------------------------------------------------------------------------
+
+@torch.inference_mode()
+def bits_per_byte(om: OpenModel, texts: Sequence[str], window: int = 1024,
+                  progress: bool = False) -> dict:
+    """The model's bits per byte over `texts` (see the module docstring) beside xz's."""
+    net, tok = om.model.net, om.tokenizer
+    eot = tok.special.endoftext
+    device = next(net.parameters()).device
+    nats, tokens, data = 0.0, 0, b""
+    pieces: list[list[int]] = []
+    for text in texts:
+        ids = tok.encode(text)
+        tokens += len(ids)
+        data += text.encode("utf-8")
+        pieces += [[eot, *ids[i:i + window - 1]] for i in range(0, len(ids), window - 1)]
+    for piece in tqdm(pieces, desc="bits per byte", unit="window", disable=not progress):
+        ids = torch.tensor([piece], device=device)
+        state = HybridState.initial(net.config, 1, next(net.parameters()).dtype, device)
+        logits = net.forward(ids, torch.arange(len(piece), device=device)[None], state).logits
+        nats += float(F.cross_entropy(logits[0, :-1].float(), ids[0, 1:], reduction="sum"))
+    model_bpb = nats / math.log(2) / len(data)
+    xz_bpb = 8 * len(lzma.compress(data, preset=9)) / len(data)
+    return {"bits_per_byte": model_bpb, "xz_bits_per_byte": xz_bpb,
+            "ratio_to_xz": model_bpb / xz_bpb, "bytes": len(data), "tokens": tokens,
+            "files": len(texts), "window": window}
+
+
+# --- generation through the engine -----------------------------------------------------------
+
+class Generated(NamedTuple):
+    text: str
+    tokens: int
+    finished: bool       # ended on a stop token, not at max_tokens
+
+
+def _engine(om: OpenModel, *, spec: str = "none", draft_tokens: int = 3,
+            concurrency: int = 1) -> Engine:
+    config = EngineConfig(max_concurrency=concurrency, prefill_chunk=512, spec=spec,
+                          draft_tokens=draft_tokens, max_context=8192, max_endpoints=4,
+                          auto_anchors=0)
+    engine = Engine(om.model, config, blocks=BlockPool(om.blocks.num_blocks,
+                                                       om.blocks.block_size),
+                    slots=SlotPool(om.slots.num_slots))
+    engine.recover()
+    return engine
+
+
+def generate(om: OpenModel, prompts: Sequence[Sequence[int]], *, max_tokens: int = MAX_TOKENS,
+             concurrency: int = 8, progress: bool = False) -> list[Generated]:
+    """Greedy replies to token prompts, decoded as the server decodes them (stop tokens
+    end a reply and are not part of its text)."""
+    engine = _engine(om, concurrency=concurrency)
+    stops = tuple(sorted(om.tokenizer.special.stop_ids))
+    ids = [f"eval-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts, strict=True):
+        engine.submit(Submit(rid, tuple(prompt), None, "eval",
+                             SamplingParams(max_tokens=max_tokens, stop_tokens=stops)))
+    bar = tqdm(total=len(ids), desc="generating", unit="reply", disable=not progress)
+    done = 0
+    while not engine.idle():
+        engine.step()
+        now = sum(engine.requests[r].state in ("Finished", "Cancelled", "Failed") for r in ids)
+        bar.update(now - done)
+        done = now
+    bar.close()
+    out = []
+    for rid in ids:
+        tokens = list(engine.requests[rid].outputs)
+        finished = bool(tokens) and tokens[-1] in stops
+        text = om.tokenizer.decode(tokens[:-1] if finished else tokens)
+        out.append(Generated(text, len(tokens), finished))
+    return out
+
+
+def _prompt_ids(om: OpenModel, items: Sequence[ex.Example]) -> list[list[int]]:
+    return [om.tokenizer.encode(ex.render_prompt(om.template, item)) for item in items]
+
+
+# --- docstrings ------------------------------------------------------------------------------
+
+def parses(text: str) -> bool:
+    try:
+        ast.parse(text)
+    except (SyntaxError, ValueError):  # ValueError: a NUL byte in the source
+        return False
+    return True
+
+
+def docstring_share(om: OpenModel, items: Sequence[ex.Example], *, concurrency: int = 8,
+                    max_tokens: int = MAX_TOKENS, progress: bool = False) -> dict:
+    replies = generate(om, _prompt_ids(om, items), max_tokens=max_tokens,
+                       concurrency=concurrency, progress=progress)
+    ok = [parses(r.text) for r in replies]
+    return {"prompts": len(items), "parsed": sum(ok), "share": sum(ok) / max(len(ok), 1),
+            "finished": sum(r.finished for r in replies),
+            "examples": [{"request": items[i].messages[-1]["content"], "reply": replies[i].text,
+                          "parses": ok[i]} for i in range(min(3, len(items)))]}
+
+
+# --- tools -----------------------------------------------------------------------------------
+
+_TYPES: dict[str, Callable[[Any], bool]] = {
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "array": lambda v: isinstance(v, list),
+    "object": lambda v: isinstance(v, dict),
+    "null": lambda v: v is None,
+}
+
+
+def validates(arguments: Any, schema: dict) -> bool:
+    """Whether `arguments` satisfies a tool's `parameters` schema as the corpus writes them
+    (an object of typed properties, some required), parameters it does not list refused."""
+    if not isinstance(arguments, dict):
+        return False
+    properties = schema.get("properties", {})
+    if any(name not in arguments for name in schema.get("required", ())):
+        return False
+    for name, value in arguments.items():
+        if name not in properties:
+            return False
+        kind = properties[name].get("type")
+        if kind is not None and not _TYPES.get(kind, lambda _: False)(value):
+            return False
+    return True
+
+
+class Call(NamedTuple):
+    name: str
+    arguments: Any
+
+
+def first_call(text: str) -> Call | None:
+    """The reply's first tool call, if it is well formed: `<tool_call>` JSON `</tool_call>`
+    with a string name and an arguments object."""
+    start = text.find("<tool_call>")
+    end = text.find("</tool_call>", start)
+    if start < 0 or end < 0:
+        return None
+    try:
+        body = json.loads(text[start + len("<tool_call>"):end])
+    except ValueError:
+        return None
+    if not isinstance(body, dict) or not isinstance(body.get("name"), str) \
+            or not isinstance(body.get("arguments"), dict):
+        return None
+    return Call(body["name"], body["arguments"])
+
+
+def tool_share(om: OpenModel, items: Sequence[ex.Example], *, concurrency: int = 8,
+               max_tokens: int = MAX_TOKENS, progress: bool = False) -> dict:
+    replies = generate(om, _prompt_ids(om, items), max_tokens=max_tokens,
+                       concurrency=concurrency, progress=progress)
+    valid = right = formed = 0
+    for item, reply in zip(items, replies, strict=True):
+        call = first_call(reply.text)
+        if call is None:
+            continue
+        formed += 1
+        tools = {t["function"]["name"]: t["function"]["parameters"] for t in item.tools or []}
+        if call.name in tools and validates(call.arguments, tools[call.name]):
+            valid += 1
+            right += call.name == json.loads(item.reference)["name"]
+    n = max(len(items), 1)
+    return {"prompts": len(items), "well_formed": formed, "valid": valid,
+            "share": valid / n, "requested_tool_share": right / n,
+            "examples": [{"request": items[i].messages[-1]["content"], "reply": replies[i].text}
+                         for i in range(min(3, len(items)))]}
+
+
+# --- drafting --------------------------------------------------------------------------------
+
+def _decode_run(om: OpenModel, prompts: Sequence[Sequence[int]], spec: str, k: int,
+                max_tokens: int) -> dict:
+    """Each prompt decoded alone (batch 1) under `spec`: verify rounds, tokens, decode time."""
+    rounds = tokens = drafted = accepted = 0
+    seconds = 0.0
+    for i, prompt in enumerate(prompts):
+        engine = _engine(om, spec=spec, draft_tokens=k)
+        rid = f"draft-{i}"
+        engine.submit(Submit(rid, tuple(prompt), None, "eval",
+                             SamplingParams(max_tokens=max_tokens)))
+        while not engine.requests.get(rid) or not engine.requests[rid].outputs:
+            engine.step()  # the prefill and its first token: not part of decoding
+        events: list = []
+        engine.log.listeners.append(events.append)
+        t0 = time.perf_counter()
+        run_until_idle(engine)
+        seconds += time.perf_counter() - t0
+        commits = [e for e in events if e.kind == "TokensCommitted"]
+        rounds += len(commits)
+        tokens += sum(e.committed for e in commits)
+        drafted += sum(e.drafted for e in commits)
+        accepted += sum(e.accepted for e in commits)
+    return {"spec": spec, "k": k, "verifies": rounds, "tokens": tokens,
+            "tokens_per_verify": tokens / max(rounds, 1), "drafted": drafted,
+            "accepted": accepted, "acceptance": accepted / max(drafted, 1),
+            "decode_seconds": seconds, "tok_s": tokens / max(seconds, 1e-9)}
+
+
+def drafting(om: OpenModel, prompts: Sequence[str], *,
+             max_tokens: int = CONTINUATION_TOKENS, progress: bool = False) -> dict:
+    ids = [om.tokenizer.encode(p)[:CONTINUATION_PROMPT] for p in prompts]
+    runs = [("none", 0), *DRAFTS]
+    results = {}
+    for spec, k in tqdm(runs, desc="drafting", disable=not progress):
+        results[f"{spec}{k if k else ''}"] = _decode_run(om, ids, spec, k, max_tokens)
+    none, mtp = results["none"], results["mtp3"]
+    return {"prompts": len(ids), "runs": results,
+            "mtp3_speedup_over_none": mtp["tok_s"] / max(none["tok_s"], 1e-9)}
+
+
+# --- all of it -------------------------------------------------------------------------------
+
+def evaluate(om: OpenModel, corpus: Corpus, *, parts: Sequence[str] = PARTS,
+             limit: int | None = None, window: int = 1024, concurrency: int = 8,
+             max_tokens: int = MAX_TOKENS, continuation_tokens: int = CONTINUATION_TOKENS,
+             progress: bool = True) -> dict:
+    """The figures of `parts` for the model `om` on `corpus`'s held-out set; `limit` caps
+    the prompts (and files) of each part, for a quick look (and `max_tokens`,
+    `continuation_tokens` the replies and continuations, for tests)."""
+    held = corpus.heldout
+    out: dict[str, Any] = {"corpus_sha256": corpus.sha256, "limit": limit}
+    cut = slice(None, limit)
+    if "bpb" in parts:
+        out["bpb"] = bits_per_byte(om, [s["text"] for s in held["sources"][cut]], window,
+                                   progress)
+    if "docstrings" in parts:
+        out["docstrings"] = docstring_share(om, corpus.eval_items("docstring_prompts")[cut],
+                                            concurrency=concurrency, max_tokens=max_tokens,
+                                            progress=progress)
+    if "tools" in parts:
+        out["tools"] = tool_share(om, corpus.eval_items("tool_prompts")[cut],
+                                  concurrency=concurrency, max_tokens=max_tokens,
+                                  progress=progress)
+    if "drafting" in parts:
+        out["drafting"] = drafting(om, [c["prompt"] for c in held["continuations"][cut]],
+                                   max_tokens=continuation_tokens, progress=progress)
+    return out

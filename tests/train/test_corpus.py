@@ -1,0 +1,133 @@
+"""The corpus: a stable manifest of the stdlib files it read, held-out modules kept out of
+training, chat examples rendered exactly as the server renders the same conversation, and a
+tokenizer that round-trips."""
+
+import hashlib
+import json
+import random
+
+import pytest
+from tokenizers import Tokenizer as BackendTokenizer
+
+from ninfer.model.template import ChatTemplate
+from ninfer.server.schemas import ChatRequest
+from ninfer.train import examples as ex
+from ninfer.train.corpus import Corpus, CorpusError, build, trained_template
+from ninfer.train.sources import HELD_OUT, files_sha256, functions, scan, stdlib_root
+
+from .conftest import SLICE, SLICE_VOCAB
+
+
+def test_the_manifest_names_every_file_by_its_sha256(slice_corpus):
+    m = slice_corpus.manifest
+    root = stdlib_root()
+    assert {f["path"].split("/")[0].removesuffix(".py") for f in m["files"]} == set(SLICE)
+    for f in m["files"]:
+        data = (root / f["path"]).read_bytes()
+        assert f["sha256"] == hashlib.sha256(data).hexdigest() and f["bytes"] == len(data)
+        assert f["split"] == ("held_out" if f["path"].split("/")[0].removesuffix(".py")
+                              in HELD_OUT else "train")
+    listing = "".join(f"{f['sha256']}  {f['path']}\n" for f in m["files"])
+    assert m["files_sha256"] == hashlib.sha256(listing.encode()).hexdigest()
+    assert not any("/test/" in f["path"] or "/tests/" in f["path"] for f in m["files"])
+
+
+def test_the_same_sources_build_byte_identical_corpora(slice_corpus, tmp_path):
+    again = Corpus.open(build(tmp_path / "again", modules=SLICE, vocab_size=SLICE_VOCAB))
+    assert again.sha256 == slice_corpus.sha256
+    for name in ("manifest.json", "tokenizer.json", "train.bin", "heldout.bin", "heldout.json"):
+        assert (again.path / name).read_bytes() == (slice_corpus.path / name).read_bytes()
+    other = Corpus.open(build(tmp_path / "other", modules=SLICE, vocab_size=SLICE_VOCAB, seed=1))
+    assert other.sha256 != slice_corpus.sha256  # the seed is part of the corpus's name
+
+
+def test_a_file_that_does_not_match_the_manifest_is_refused(slice_corpus, tmp_path):
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for f in slice_corpus.path.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    Corpus.open(copy)
+    data = bytearray((copy / "train.bin").read_bytes())
+    data[10] ^= 1
+    (copy / "train.bin").write_bytes(bytes(data))
+    with pytest.raises(CorpusError, match="train.bin: sha256"):
+        Corpus.open(copy)
+
+
+def test_held_out_modules_are_neither_trained_on_nor_made_into_training_examples(
+        slice_corpus):
+    backend = BackendTokenizer.from_str(slice_corpus.tokenizer_json)
+    train_text = backend.decode(list(slice_corpus.ids("train.bin")), skip_special_tokens=False)
+    held = [f for f in scan(modules=SLICE) if f.split == "held_out"]
+    assert {f.top for f in held} == {"textwrap", "shlex", "fnmatch", "colorsys"}
+    for f in held:
+        for fn in functions(f):
+            if len(fn.source) > 200:  # a long body is its module's own
+                assert fn.source not in train_text, fn.qualname
+    held_sources = "".join(f.text for f in held)
+    for kind in ("docstring_prompts", "tool_prompts"):
+        items = slice_corpus.eval_items(kind)
+        assert items
+        for item in items:
+            if kind == "docstring_prompts":
+                body = item.reference.splitlines()[-1].strip()
+                assert body in held_sources and item.reference not in train_text
+            else:
+                names = {t["function"]["name"] for t in item.tools}
+                assert json.loads(item.reference)["name"] in names
+
+
+def test_the_tokenizer_round_trips_sources_and_chats(slice_corpus):
+    backend = BackendTokenizer.from_str(slice_corpus.tokenizer_json)
+    assert backend.get_vocab_size() == SLICE_VOCAB
+    template = trained_template()
+    texts = [s["text"] for s in slice_corpus.heldout["sources"]]
+    texts += [ex.render_prompt(template, item) for item in slice_corpus.eval_items("tool_prompts")]
+    for text in texts:
+        ids = backend.encode(text, add_special_tokens=False).ids
+        assert backend.decode(ids, skip_special_tokens=False) == text
+    chat = backend.encode("<|im_start|>user\nhi<|im_end|>", add_special_tokens=False).ids
+    assert chat[0] == backend.token_to_id("<|im_start|>")
+    assert chat[-1] == backend.token_to_id("<|im_end|>")
+
+
+def _as_server_sees(messages, tools):
+    """The messages and tools as the server hands them to the template."""
+    body = ChatRequest.model_validate({"messages": messages, "tools": tools})
+    return ([m.for_template() for m in body.messages],
+            [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None)
+
+
+def test_examples_are_what_the_server_renders_for_the_same_conversation():
+    files = scan(modules=("json", "textwrap"))
+    fns = [fn for f in files for fn in functions(f)]
+    rng = random.Random(0)
+    pool = [fn for fn in fns if ex.usable_as_tool(fn)]
+    chats = [ex.docstring_example(fn, rng) for fn in fns[:20]]
+    chats += ex.tool_examples(pool, 20, rng)
+    template = trained_template()
+    for chat in chats:
+        messages, tools = _as_server_sees(chat.messages, chat.tools)
+        assert (messages, tools) == (chat.messages, chat.tools)
+        whole = ex.render(template, chat)
+        # the server's prompt for the assistant's first turn is the rendering up to it
+        first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        prompt = template.render(messages[:first], tools=tools, add_generation_prompt=True)
+        assert whole.startswith(prompt)
+        assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_the_trained_template_has_thinking_off_unless_asked():
+    template = trained_template()
+    messages = [{"role": "user", "content": "hi"}]
+    assert template.render(messages, add_generation_prompt=True).endswith("</think>\n\n")
+    on = template.render(messages, add_generation_prompt=True, enable_thinking=True)
+    assert on.endswith("<think>\n")
+    assert isinstance(template, ChatTemplate)
+
+
+def test_files_sha256_is_the_digest_of_a_sha256sum_listing():
+    files = scan(modules=("json",))
+    listing = "".join(f"{hashlib.sha256(f.text.encode()).hexdigest()}  {f.path}\n"
+                      for f in files)
+    assert files_sha256(files) == hashlib.sha256(listing.encode()).hexdigest()

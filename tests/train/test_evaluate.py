@@ -1,0 +1,99 @@
+"""The evaluation's judges: what counts as a valid tool call, a parsing answer, and the bits
+per byte (against a forward computed here, and xz on the same bytes)."""
+
+import lzma
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ninfer.model.hybrid import HybridState
+from ninfer.model.runtime import open_model
+from ninfer.train import evaluate, loop
+from ninfer.train.recipe import TrainSettings, smoke_shape
+
+SCHEMA = {"type": "object", "properties": {"text": {"type": "string"},
+                                           "width": {"type": "integer"},
+                                           "ratio": {"type": "number"},
+                                           "strict": {"type": "boolean"}},
+          "required": ["text"]}
+
+
+@pytest.mark.parametrize("arguments, ok", [
+    ({"text": "a"}, True),
+    ({"text": "a", "width": 3, "ratio": 2, "strict": False}, True),
+    ({"text": "a", "ratio": 0.5}, True),
+    ({}, False),                                 # a required parameter missing
+    ({"text": 1}, False),                        # of the wrong type
+    ({"text": "a", "width": True}, False),       # a bool is no integer
+    ({"text": "a", "width": 2.5}, False),
+    ({"text": "a", "depth": 1}, False),          # a parameter the tool does not have
+    ([], False),
+])
+def test_arguments_validate_against_the_tools_schema(arguments, ok):
+    assert evaluate.validates(arguments, SCHEMA) is ok
+
+
+@pytest.mark.parametrize("reply, call", [
+    ('<tool_call>\n{"name": "fill", "arguments": {"text": "x"}}\n</tool_call>',
+     evaluate.Call("fill", {"text": "x"})),
+    ('Sure.\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', evaluate.Call("f", {})),
+    ('<tool_call>\n{"name": "fill", "arguments": {"text": "x"}}', None),  # never closed
+    ('<tool_call>\n{"name": "fill", "arguments": "{}"}\n</tool_call>', None),
+    ('<tool_call>\n{"name": "fill", "arguments": {"text": }}\n</tool_call>', None),
+    ('{"name": "fill", "arguments": {}}', None),
+])
+def test_a_call_is_well_formed_only_between_its_tags_as_an_object(reply, call):
+    assert evaluate.first_call(reply) == call
+
+
+def test_an_answer_counts_when_python_parses_it():
+    assert evaluate.parses("def f(x):\n    return x\n")
+    assert evaluate.parses("\n\ndef f():\n    pass")
+    assert not evaluate.parses("  def f():\n    pass")
+    assert not evaluate.parses("def f(x):\n    return (x\n")
+    assert not evaluate.parses("x = '\x00'")
+
+
+@pytest.fixture(scope="module")
+def model(slice_corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval") / "m.ninfer"
+    settings = TrainSettings(steps=2, batch=2, seq_len=32, warmup=1, mtp_depth=1, eval_every=0,
+                             checkpoint_every=0)
+    loop.train(slice_corpus, out, settings=settings, config_overrides=smoke_shape(),
+               progress=False)
+    return open_model(out, kv_capacity=4096, num_slots=8)
+
+
+def test_bits_per_byte_are_the_models_nats_per_byte_and_xz_is_lzma_9(model):
+    texts = ["def add(a, b):\n    return a + b\n", "x = [i * i for i in range(10)]\n"]
+    got = evaluate.bits_per_byte(model, texts, window=8)
+    tok, net = model.tokenizer, model.model.net
+    nats = 0.0
+    with torch.inference_mode():
+        for text in texts:
+            ids = tok.encode(text)
+            for i in range(0, len(ids), 7):  # windows of 8: <|endoftext|> and 7 tokens
+                piece = torch.tensor([[tok.special.endoftext, *ids[i:i + 7]]])
+                state = HybridState.initial(net.config, 1, torch.float32)
+                logits = net.forward(piece, torch.arange(piece.shape[1])[None], state).logits
+                nats += float(F.cross_entropy(logits[0, :-1], piece[0, 1:], reduction="sum"))
+    data = "".join(texts).encode()
+    assert got["bits_per_byte"] == pytest.approx(nats / math.log(2) / len(data), rel=1e-5)
+    assert got["xz_bits_per_byte"] == 8 * len(lzma.compress(data, preset=9)) / len(data)
+    assert got["bytes"] == len(data)
+
+
+def test_every_part_runs_on_a_slice(model, slice_corpus):
+    figures = evaluate.evaluate(model, slice_corpus, limit=2, max_tokens=12,
+                                continuation_tokens=24, progress=False)
+    assert figures["corpus_sha256"] == slice_corpus.sha256
+    assert figures["docstrings"]["prompts"] == 2 and figures["tools"]["prompts"] == 2
+    assert 0 <= figures["tools"]["share"] <= 1
+    runs = figures["drafting"]["runs"]
+    assert set(runs) == {"none", "mtp1", "mtp2", "mtp3", "ngram3"}
+    # each continuation decodes its 24 tokens after the prefill's first, however drafted
+    assert all(r["tokens"] == 2 * (24 - 1) for r in runs.values())
+    assert runs["none"]["tokens_per_verify"] == 1.0 and runs["none"]["drafted"] == 0
+    assert runs["mtp3"]["drafted"] > 0

@@ -1,0 +1,115 @@
+"""The recipe on the CPU, in seconds: a few steps of a small shape on a slice of the corpus;
+the loss falls, the file loads with the normal loader and answers a prompt. And the default
+shape fits the 16 MiB the issue allows."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from ninfer.model.config import ModelConfig, expected_tensors
+from ninfer.model.loader import load_files
+from ninfer.model.runtime import open_model
+from ninfer.train import evaluate, loop, weights
+from ninfer.train.recipe import MAX_WEIGHT_BYTES, TrainSettings, smoke_shape, trained_config
+
+SMOKE = TrainSettings(steps=40, batch=8, seq_len=64, lr=4e-3, min_lr=4e-4, warmup=4,
+                      mtp_depth=2, eval_every=20, checkpoint_every=25)
+
+
+def test_the_default_shape_is_a_qwen35_hybrid_within_16_mib():
+    config = trained_config(8192, endoftext=8183, im_end=8185)
+    assert config.family == "qwen3_5" and not config.is_moe and config.mtp_num_hidden_layers
+    assert config.layer_types == (("linear_attention",) * 3 + ("full_attention",)) * 2
+    assert weights.weight_bytes(config) <= MAX_WEIGHT_BYTES
+    assert any(name.startswith("mtp.") for name in expected_tensors(config))
+    assert ModelConfig.from_dict(config.to_dict()) == config
+
+
+def test_the_learning_rate_warms_up_then_decays_to_its_floor():
+    s = TrainSettings(lr=1e-3, min_lr=1e-4, warmup=10)
+    lrs = [loop.lr_at(i, 100, s) for i in range(100)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:], strict=False))
+    assert lrs[-1] == pytest.approx(1e-4, rel=0.01)
+
+
+def test_windows_are_drawn_from_the_seed():
+    tokens = torch.arange(1000)
+    a, b = loop.Windows(tokens, 16, seed=3), loop.Windows(tokens, 16, seed=3)
+    first = a.next(4)
+    assert torch.equal(first, b.next(4)) and first.shape == (4, 17)
+    assert torch.equal(first[:, 1:] - first[:, :-1], torch.ones(4, 16, dtype=torch.int64))
+
+
+@pytest.fixture(scope="module")
+def trained(slice_corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "smoke.ninfer"
+    report_path = out.with_suffix(".json")
+    report = loop.train(slice_corpus, out, settings=SMOKE, config_overrides=smoke_shape(),
+                        report_path=report_path, progress=False)
+    return out, report, report_path
+
+
+def test_a_few_steps_lower_the_loss_and_write_a_report(trained, slice_corpus):
+    out, report, report_path = trained
+    assert json.loads(report_path.read_text()) == json.loads(json.dumps(report))
+    first, last = report["losses"][0], report["losses"][-1]
+    assert last["main"] < first["main"] - 1.0
+    assert all(a > b for a, b in zip(first["mtp"], last["mtp"], strict=True))
+    assert report["heldout"][-1]["loss"] < report["heldout"][0]["loss"] + 0.5
+    assert report["steps_done"] == SMOKE.steps and report["tokens"] == 40 * 8 * 64
+    assert report["corpus"]["sha256"] == slice_corpus.sha256
+    assert report["settings"]["seed"] == 0 and report["config"]["model_type"] == "qwen3_5_text"
+
+
+def test_the_written_file_loads_and_answers_a_prompt(trained):
+    out, report, _ = trained
+    [checkpoint] = report["checkpoints"]
+    assert checkpoint == {"step": 25, "path": str(loop.checkpoint_path(out, 25))}
+    assert load_files(checkpoint["path"]).config == load_files(out).config
+    files = load_files(out)
+    assert all(t.dtype == torch.bfloat16 for t in files.tensors.values())
+    assert files.config.tie_word_embeddings and files.config.mtp_num_hidden_layers == 1
+    om = open_model(out, kv_capacity=4096, num_slots=8)
+    prompt = om.template.render([{"role": "user", "content": "Quote a string."}],
+                                add_generation_prompt=True)
+    assert prompt.endswith("</think>\n\n")  # thinking off by default
+    [reply] = evaluate.generate(om, [om.tokenizer.encode(prompt)], max_tokens=8)
+    assert 1 <= reply.tokens <= 8
+
+
+def test_the_same_seed_trains_the_same_weights(slice_corpus, tmp_path):
+    settings = dataclasses.replace(SMOKE, steps=3, eval_every=0)
+    a = loop.train(slice_corpus, tmp_path / "a.ninfer", settings=settings,
+                   config_overrides=smoke_shape(), progress=False)
+    b = loop.train(slice_corpus, tmp_path / "b.ninfer", settings=settings,
+                   config_overrides=smoke_shape(), progress=False)
+    assert a["out_sha256"] == b["out_sha256"]
+    assert [e["loss"] for e in a["losses"]] == [e["loss"] for e in b["losses"]]
+
+
+def test_minutes_fix_the_step_count_from_the_first_steps_and_record_it(slice_corpus, tmp_path):
+    settings = dataclasses.replace(SMOKE, steps=10**6, batch=2, seq_len=32, eval_every=0)
+    report = loop.train(slice_corpus, tmp_path / "m.ninfer", settings=settings, minutes=0.05,
+                        config_overrides=smoke_shape(), progress=False, log=lambda _: None)
+    assert loop.CALIBRATION_STEPS + 2 < report["steps_planned"] < 10**6
+    assert report["steps_done"] <= report["steps_planned"]
+    assert report["seconds_per_step_calibrated"] > 0 and report["minutes"] == 0.05
+
+
+def test_the_commands_train_and_evaluate(slice_corpus, tmp_path, capsys):
+    from ninfer.cli import main
+    out, report, figures = tmp_path / "m.ninfer", tmp_path / "r.json", tmp_path / "e.json"
+    assert main(["train", "run", "--corpus", str(slice_corpus.path), "--out", str(out),
+                 "--report", str(report), "--shape", "smoke", "--steps", "3", "--batch", "2",
+                 "--seq-len", "32", "--checkpoint-every", "2", "--quiet"]) == 0
+    written = json.loads(report.read_text())
+    assert written["steps_done"] == 3 and written["settings"]["batch"] == 2
+    assert [c["step"] for c in written["checkpoints"]] == [2]
+    assert main(["train", "eval", str(out), "--corpus", str(slice_corpus.path), "--parts",
+                 "bpb", "--limit", "1", "--json", str(figures), "--quiet"]) == 0
+    bpb = json.loads(figures.read_text())["bpb"]
+    assert bpb["files"] == 1 and bpb["bits_per_byte"] > 0
+    capsys.readouterr()
