@@ -3,8 +3,9 @@ tiny model, in one process (uvicorn on loopback; clients on threads, so on a sma
 they share the cores with the server: the figures are an upper bound on overhead).
 
 Measures: time to first token (cold prompt, and the next turn reusing it), streaming
-overhead per token over the bare engine (chat completions, and the Responses API against it:
-the same prompt and output, runs alternated), total tokens/s at 1/4/8 concurrent streams, and
+overhead per token over the bare engine (chat completions, and the Responses API and
+Anthropic's Messages API against it: the same prompt and output, runs alternated), total
+tokens/s at 1/4/8 concurrent streams, and
 disconnect-to-cancel latency (client cut to RequestCancelled, and in engine steps)."""
 
 from __future__ import annotations
@@ -98,6 +99,32 @@ def _stream_responses(url: str, body: dict, headers: dict | None = None) -> dict
     return {"ttft": first, "total": time.perf_counter() - start, "usage": usage}
 
 
+def _stream_messages(url: str, body: dict, headers: dict | None = None) -> dict:
+    """One streaming request of Anthropic's Messages API, measured as `_stream` measures chat
+    completions: time to the first text delta, total time, and usage in chat's terms (the
+    prompt is the tokens computed and the ones read from the cache together)."""
+    import httpx
+    start = time.perf_counter()
+    first = None
+    usage = None
+    with httpx.stream("POST", url + "/v1/messages", json={**body, "stream": True},
+                      headers=headers or {}, timeout=600) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            if first is None and event["type"] == "content_block_delta" \
+                    and event["delta"]["type"] == "text_delta":
+                first = time.perf_counter() - start
+            elif event["type"] == "message_delta":
+                u = event["usage"]
+                cached = u["cache_read_input_tokens"]
+                usage = {"prompt_tokens": u["input_tokens"] + cached,
+                         "completion_tokens": u["output_tokens"],
+                         "prompt_tokens_details": {"cached_tokens": cached}}
+    return {"ttft": first, "total": time.perf_counter() - start, "usage": usage}
+
+
 def _bare_engine_seconds(args, prompt_ids: tuple[int, ...]) -> tuple[float, float]:
     """Prefill and decode time of one request on a bare engine (no HTTP)."""
     from ..engine.engine import Engine, EngineConfig, Submit
@@ -156,15 +183,20 @@ def main(spec: str = "none", threads: int = 1, json_path: str | None = None) -> 
     ids = tuple(om.tokenizer.encode(om.template.render(short, add_generation_prompt=True,
                                                        enable_thinking=False)))
     server.thread.step_delay = 0
-    # chat completions and the Responses API alternated, the same prompt and greedy output
+    # chat completions, the Responses API and the Messages API alternated, the same prompt
+    # and greedy output (thinking off on each)
     responses_body = {"max_output_tokens": OUTPUT, "temperature": 0,
                       "reasoning": {"effort": "none"}, "input": short}
-    runs, responses_runs = [], []
+    messages_body = {"model": "claude-bench", "max_tokens": OUTPUT, "temperature": 0,
+                     "thinking": {"type": "disabled"}, "messages": short}
+    runs, responses_runs, messages_runs = [], [], []
     for _ in range(3):
         runs.append(_stream(url, {**body, "messages": short}))
         responses_runs.append(_stream_responses(url, responses_body))
+        messages_runs.append(_stream_messages(url, messages_body))
     http_decode = min(r["total"] - r["ttft"] for r in runs)
     responses_decode = min(r["total"] - r["ttft"] for r in responses_runs)
+    messages_decode = min(r["total"] - r["ttft"] for r in messages_runs)
     bare_prefill, bare_decode = _bare_engine_seconds(argparse.Namespace(spec=spec), ids)
     results["bare_decode_ms_per_token"] = 1000 * bare_decode / (OUTPUT - 1)
     results["http_decode_ms_per_token"] = 1000 * http_decode / (OUTPUT - 1)
@@ -177,6 +209,13 @@ def main(spec: str = "none", threads: int = 1, json_path: str | None = None) -> 
         results["responses_decode_ms_per_token"] - results["bare_decode_ms_per_token"])
     # the Responses API's decode per token over chat completions' (goal: within 10%)
     results["responses_vs_chat_decode"] = responses_decode / http_decode
+    results["messages_output_tokens"] = min(r["usage"]["completion_tokens"]
+                                            for r in messages_runs)
+    results["messages_decode_ms_per_token"] = 1000 * messages_decode / (OUTPUT - 1)
+    results["messages_stream_overhead_ms_per_token"] = (
+        results["messages_decode_ms_per_token"] - results["bare_decode_ms_per_token"])
+    # the Messages API's decode per token over chat completions' (goal: within 10%)
+    results["messages_vs_chat_decode"] = messages_decode / http_decode
 
     # total tokens/s at 1, 4, 8 concurrent streams
     for n in (1, 4, 8):
@@ -246,7 +285,12 @@ def main(spec: str = "none", threads: int = 1, json_path: str | None = None) -> 
              f"{results['responses_decode_ms_per_token']:.2f} / "
              f"{results['responses_stream_overhead_ms_per_token']:.2f} ms"),
             ("Responses API decode per token over chat completions'",
-             f"{100 * (results['responses_vs_chat_decode'] - 1):+.1f}%")]
+             f"{100 * (results['responses_vs_chat_decode'] - 1):+.1f}%"),
+            ("Messages API: decode per token / overhead per token",
+             f"{results['messages_decode_ms_per_token']:.2f} / "
+             f"{results['messages_stream_overhead_ms_per_token']:.2f} ms"),
+            ("Messages API decode per token over chat completions'",
+             f"{100 * (results['messages_vs_chat_decode'] - 1):+.1f}%")]
     rows += [(f"total tokens/s, {n} concurrent streams",
               f"{results[f'tokens_per_s_{n}_streams']:.0f}") for n in (1, 4, 8)]
     rows.append(("client close to journaled RequestCancelled, median / max",

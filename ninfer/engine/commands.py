@@ -69,6 +69,12 @@ def problem(c: Submit, *, vocab_size: int, max_context: int,
         return f"prompt of {len(c.prompt)} tokens exceeds max_context {max_context}"
     if c.params.max_tokens < 1:
         return "max_tokens must be at least 1"
+    if c.params.reasoning_budget is not None and (
+            c.params.reasoning_budget < 0 or not c.params.reasoning_close
+            or c.params.reasoning_end not in c.params.reasoning_close):
+        return "a reasoning budget needs a close sequence that holds its end token"
+    if any(not 0 <= t < vocab_size for t in c.params.reasoning_close):
+        return f"reasoning close token ids must be in [0, {vocab_size})"
     if any(not 0 < b <= len(c.prompt) for b in c.boundaries):
         return "message boundaries must lie within the prompt"
     if not 0 <= c.shared_prefix <= len(c.prompt):

@@ -25,6 +25,7 @@ from ..lifecycle.request import Request
 from ..lifecycle.store import ContinuationStore
 from ..model.pools import BlockPool, OutOfMemory, SlotPool
 from ..model.protocol import MissingStatePart, Model
+from .budget import budgeted
 from .choice import Choice, make_choice
 from .commands import Cancel, EngineConfig, Inbox, Stop, Submit
 from .exits import Exits
@@ -219,8 +220,12 @@ class Engine:
         """`adopter` takes over the detached prefill's lane and captures in place."""
         self.scheduler.withdraw(adopter)
         self.live[adopter.id] = self.exits.adopt(
-            detached, adopter, AdaptiveDraft(self.config.draft_tokens), self.choose(adopter))
+            detached, adopter, AdaptiveDraft(self.config.draft_tokens), self._choice(adopter))
         machine.fire(adopter, "start")
+
+    def _choice(self, request: Request) -> Choice:
+        """How the request's tokens are chosen: `choose`, under its reasoning budget."""
+        return budgeted(self.choose(request), request.params, request.outputs)
 
     def _start(self, request: Request) -> bool:
         """Plan and materialize; False (and nothing held) when memory is short now."""
@@ -228,7 +233,7 @@ class Engine:
             if not self._free_slot():
                 return False
             live = Live(request, self.runner.new_lane(),
-                        AdaptiveDraft(self.config.draft_tokens), self.choose(request))
+                        AdaptiveDraft(self.config.draft_tokens), self._choice(request))
             request.plan = planner.plan(request.sequence, request.sequence_hashes, request.tenant,
                                         request.session, self.store, self.mode, self._usable)
             try:

@@ -38,6 +38,12 @@ class SamplingParams:
     grammar: str | None = None         # what the output must match (llguidance's grammar text)
     grammar_after: int | None = None   # the grammar applies after this token (the end of the
     #                                    reasoning block); None: from the first output token
+    # a reasoning budget (engine/budget.py): when `reasoning_budget` outputs are written and
+    # none of them is `reasoning_end`, the next outputs are `reasoning_close`, committed as
+    # if chosen; None: no budget
+    reasoning_budget: int | None = None
+    reasoning_close: tuple[int, ...] = ()
+    reasoning_end: int | None = None
 
     @property
     def penalised(self) -> bool:
@@ -52,9 +58,9 @@ class SamplingParams:
         return bool(self.logit_bias) or self.grammar is not None
 
     def to_dict(self, content: bool = True) -> dict[str, Any]:
-        """The parameters as RequestQueued journals them (the shaping fields only when set);
-        without `content` (a journal that keeps no token ids) the grammar's text is
-        replaced by its hash."""
+        """The parameters as RequestQueued journals them (the shaping and the budget fields
+        only when set); without `content` (a journal that keeps no token ids) the grammar's
+        text is replaced by its hash."""
         out = {f: getattr(self, f) for f in self.__dataclass_fields__ if f not in _SHAPING}
         out["stop_tokens"] = list(self.stop_tokens)
         if self.logit_bias:
@@ -65,6 +71,11 @@ class SamplingParams:
                 out["grammar"] = self.grammar
             else:
                 out["grammar_hash"] = grammar_hash(self.grammar)
+        if self.reasoning_budget is None:  # journaled only when set: most requests have none
+            for name in ("reasoning_budget", "reasoning_close", "reasoning_end"):
+                del out[name]
+        else:
+            out["reasoning_close"] = list(self.reasoning_close)
         return out
 
     @classmethod
@@ -74,6 +85,7 @@ class SamplingParams:
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         known["stop_tokens"] = tuple(known.get("stop_tokens", ()))
         known["logit_bias"] = tuple((int(t), float(b)) for t, b in known.get("logit_bias", ()))
+        known["reasoning_close"] = tuple(known.get("reasoning_close", ()))
         return cls(**known)
 
 

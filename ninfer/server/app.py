@@ -1,6 +1,8 @@
 """The FastAPI app: the server's shared state and the routes. Each API's route reads its body
 (reading.py), converts it to the one request type (unified.py) and starts it on the path
-underneath (submission.py); its responses are shaped in the API's own grammar."""
+underneath (submission.py); its responses are shaped in the API's own grammar. The Responses
+API's and the Messages API's routes are routers of their own (responses_api.py,
+messages_routes.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from .bodies import Evicted, Health, ModelCard, ModelList
 from .errors import ApiError, bad_request
 from .generation import Settings
 from .history import History
+from .messages_routes import router as messages_router
 from .metrics import CONTENT_TYPE, EngineFigures, Metrics, engine_snapshot
 from .reading import ClientGone, read_json, validate
 from .responses_api import router as responses_router
@@ -78,11 +81,13 @@ def _version() -> str:
 def create_app(server: Server) -> FastAPI:
     app = FastAPI(title="ninfer", version=_version(), docs_url="/docs", redoc_url=None,
                   openapi_url="/openapi.json",
-                  description="OpenAI's chat completions, completions and Responses API on "
-                              "one engine; errors in OpenAI's shape.")
+                  description="OpenAI's chat completions, completions and Responses API and "
+                              "Anthropic's Messages API on one engine; errors in the calling "
+                              "API's shape.")
     app.state.server = server
     errors.install(app)
     app.include_router(responses_router)
+    app.include_router(messages_router)
     openapi.install(app)
 
     async def generate(request: Request, chat: bool):
@@ -93,7 +98,8 @@ def create_app(server: Server) -> FastAPI:
             check_ready(server)
             body = validate(ChatRequest if chat else CompletionRequest, data)
             try:
-                unified = from_chat(body) if chat else from_completion(body)
+                unified = (from_chat(body, default_budget=server.settings.reasoning_budget)
+                           if chat else from_completion(body))
             except ValueError as exc:
                 raise bad_request(str(exc), "chat_template_kwargs") from None
             gen = await start(server, unified, headers=request.headers, api_key=api_key,

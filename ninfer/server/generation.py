@@ -37,6 +37,9 @@ class Settings:
     keepalive_s: float = 5.0
     spec: str = "none"
     grammar_timeout: float = 10.0   # seconds a request's grammar may take to compile
+    reasoning_budget: int | None = None     # reasoning tokens before the server closes it
+    model_aliases: tuple[str, ...] = ()     # more names the served model answers to
+    claude_names: bool = True               # the Messages API serves any claude-* name
 
 
 class Generation:

@@ -4,7 +4,8 @@ with the pydantic models it really reads and writes.
 The routes read their bodies by hand (reading.py: size, UTF-8, JSON constants, then the
 API's model), so FastAPI neither validates them nor sees their models. Each route is
 therefore listed here with its request model, its response models (JSON and, when it can
-stream, one SSE event's) and the error statuses it answers; the components are the models'
+stream, one SSE event's) and the error statuses it answers, each with its API's error body
+(OpenAI's shape; Anthropic's envelope on the Messages API); the components are the models'
 JSON schemas, request models as they validate, response models as they serialize, built in
 one pass so that two models of one name get distinct names."""
 
@@ -19,6 +20,8 @@ from pydantic.json_schema import models_json_schema
 
 from .bodies import ChatCompletion, ChatCompletionChunk, Evicted, Health, ModelList, TextCompletion
 from .errors import ErrorBody
+from .messages_api import CountTokensRequest, MessagesRequest
+from .messages_bodies import AnthropicError, MessageBody, MessagesStreamEvent, TokenCount
 from .responses_bodies import ResponseObject, StreamEvent
 from .responses_schema import ResponsesRequest
 from .schemas import ChatRequest, CompletionRequest
@@ -38,12 +41,17 @@ class Route(NamedTuple):
     ok: type[BaseModel] | None            # the JSON body of a 200 (None: not JSON)
     event: type[BaseModel] | None = None  # one SSE event's data, when the route streams
     errors: tuple[int, ...] = GENERATION_ERRORS
+    error: type[BaseModel] = ErrorBody    # the body of each error status
 
 
 ROUTES = (
     Route("post", "/v1/chat/completions", ChatRequest, ChatCompletion, ChatCompletionChunk),
     Route("post", "/v1/completions", CompletionRequest, TextCompletion, TextCompletion),
     Route("post", "/v1/responses", ResponsesRequest, ResponseObject, ResponsesStreamEvent),
+    Route("post", "/v1/messages", MessagesRequest, MessageBody, MessagesStreamEvent,
+          error=AnthropicError),
+    Route("post", "/v1/messages/count_tokens", CountTokensRequest, TokenCount,
+          errors=(400, 401, 404, 413, 503), error=AnthropicError),
     Route("get", "/v1/models", None, ModelList, errors=(401,)),
     Route("get", "/health", None, Health, errors=(503,)),
     Route("get", "/metrics", None, None, errors=()),
@@ -73,10 +81,9 @@ def schema(app: FastAPI) -> dict[str, Any]:
                            description=app.description)
     wanted = [(r.request, "validation") for r in ROUTES if r.request]
     wanted += [(m, "serialization") for r in ROUTES for m in (r.ok, r.event) if m]
-    wanted.append((ErrorBody, "serialization"))
+    wanted += [(m, "serialization") for m in dict.fromkeys(r.error for r in ROUTES)]
     refs, definitions = models_json_schema(wanted, ref_template="#/components/schemas/{model}")
     document.setdefault("components", {})["schemas"] = definitions.get("$defs", {})
-    error = refs[(ErrorBody, "serialization")]
     listed = {(r.path, r.method) for r in ROUTES}
     for path, operations in document["paths"].items():
         missing = [method for method in operations if (path, method) not in listed]
@@ -84,6 +91,7 @@ def schema(app: FastAPI) -> dict[str, Any]:
             raise ValueError(f"{missing[0].upper()} {path} is not described in ROUTES")
     for route in ROUTES:
         operation = document["paths"][route.path][route.method]
+        error = refs[(route.error, "serialization")]
         if route.request is not None:
             operation["requestBody"] = {"required": True,
                                         "content": _json(refs[(route.request, "validation")])}

@@ -183,6 +183,7 @@ class StopScanner:
         self.stops = tuple(s for s in stops if s)
         self.buf = ""
         self.hit = False
+        self.fired: str | None = None   # the stop string found (Anthropic reports it)
 
     def push(self, text: str) -> str:
         """The text safe to release; after a hit, the text before the stop string only."""
@@ -193,7 +194,7 @@ class StopScanner:
         self.buf += text
         found = [(self.buf.find(s), s) for s in self.stops if s in self.buf]
         if found:
-            at = min(found)[0]
+            at, self.fired = min(found)
             ready, self.buf, self.hit = self.buf[:at], "", True
             return ready
         keep = _partial_tail(self.buf, self.stops)

@@ -35,6 +35,7 @@ from . import sessions
 from .errors import ApiError
 from .formats import AskedFormat
 from .reading import ClientGone, read_json, validate
+from .reasoning import budget_for_effort
 from .reply_grammar import OutputFormat
 from .responses_bodies import (
     CustomToolEcho,
@@ -217,9 +218,11 @@ class SealedText(NamedTuple):
     ids: tuple[int, ...]
 
 
-def to_unified(body: ResponsesRequest, *, model: str, vocab_size: int, decode) -> Converted:
-    """The request in the one type underneath. Raises ValueError for what the schema cannot
-    see (two tools under one name, a conversation with nothing to answer)."""
+def to_unified(body: ResponsesRequest, *, model: str, vocab_size: int, decode,
+               default_budget: int | None) -> Converted:
+    """The request in the one type underneath; `default_budget` is the server's reasoning
+    budget, for a request whose `reasoning.effort` names none. Raises ValueError for what the
+    schema cannot see (two tools under one name, a conversation with nothing to answer)."""
 
     def unseal_reasoning(blob: str) -> SealedText | None:
         found = unseal(blob, model, vocab_size)
@@ -255,10 +258,12 @@ def to_unified(body: ResponsesRequest, *, model: str, vocab_size: int, decode) -
         route=ROUTE, model=body.model, messages=tuple(turns.messages), tools=tools,
         tool_choice=choice_name, parallel_tool_calls=body.parallel_tool_calls,
         reasoning=reasoning_switch(effort),
+        reasoning_budget=budget_for_effort(effort, default_budget),
         sampling=Sampling(max_tokens=body.max_output_tokens, open_ended=True,
                           temperature=body.temperature, top_p=body.top_p),
         answer=answer_of(body), key_sources=(KeySource("cache", body.prompt_cache_key),),
-        derive_key=True, cache_salt=body.cache_salt, merge_system=True, pinned=tuple(turns.pinned))
+        derive_key=True, cache_salt=body.cache_salt, merge_system=True,
+        pinned=tuple(turns.pinned))
     return Converted(request, called)
 
 
@@ -331,7 +336,8 @@ async def create_response(request: Request):
         try:
             converted = to_unified(body, model=server.settings.model_id,
                                    vocab_size=server.vocab_size,
-                                   decode=server.tokenizer.decode)
+                                   decode=server.tokenizer.decode,
+                                   default_budget=server.settings.reasoning_budget)
         except ValueError as exc:
             raise ApiError(400, str(exc), param="input") from None
         gen = await start(server, converted.request, headers=request.headers,

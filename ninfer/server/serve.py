@@ -27,6 +27,20 @@ def _concurrency(value: str) -> int:
     return n
 
 
+def _alias(value: str) -> tuple[str, str]:
+    name, sep, model = value.partition("=")
+    if not sep or not name or not model:
+        raise argparse.ArgumentTypeError("must be NAME=ID")
+    return name, model
+
+
+def _budget(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError("must be at least 0")
+    return n
+
+
 def _positive(value: str) -> int:
     n = int(value)
     if n < 1:
@@ -48,12 +62,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL (an HF directory or a .ninfer file; the embedded tiny default "
                     "when omitted) at /v1/chat/completions, /v1/completions, /v1/responses, "
-                    "/v1/models, /health and /metrics, described at /openapi.json and /docs. "
-                    "A conversation's session key comes from the X-Session-Id header, else "
-                    "the session_id body field, else the prompt_cache_key body field, else "
-                    "(unless --no-derive-session-keys) from the instructions and first user "
-                    "message. The tenant is the API key together with the request's "
-                    "cache_salt.",
+                    "/v1/messages and /v1/messages/count_tokens (Anthropic's), /v1/models, "
+                    "/health and /metrics, described at /openapi.json and /docs. A "
+                    "conversation's session key comes from the X-Session-Id header, else the "
+                    "session_id body field, else the prompt_cache_key body field (or "
+                    "Anthropic's metadata.user_id), else (unless --no-derive-session-keys) "
+                    "from the instructions and first user message. The tenant is the API key "
+                    "together with the request's cache_salt.",
         formatter_class=_Defaults)
     p.add_argument("model", nargs="?", default=None,
                    help="model directory or .ninfer file (default: the embedded tiny model)")
@@ -61,7 +76,21 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8080, help="port to listen on")
     p.add_argument("--model-id", default=None,
                    help="the model name clients send (default: the model's name)")
-    p.add_argument("--max-context", type=_positive, default=32_768,
+    p.add_argument("--model-alias", type=_alias, action="append", default=[],
+                   metavar="NAME=ID",
+                   help="clients may also call the model ID (the served model's id) NAME; "
+                        "repeatable")
+    p.add_argument("--claude-names", action=argparse.BooleanOptionalAction, default=True,
+                   help="the Messages API serves any claude-* model name with the loaded "
+                        "model, so Claude Code's model choices all reach it")
+    p.add_argument("--reasoning-budget", type=_budget, default=None, metavar="N",
+                   help="reasoning tokens a request may write before the server closes its "
+                        "reasoning block itself, when the request names no budget or effort "
+                        "(default: none, the model closes it or runs out of tokens)")
+    # an agent's system prompt and tools run to tens of KB (Claude Code 2.1's with every tool
+    # in the prompt: 80 KB, 42K tokens of the embedded model's tokenizer; the Codex CLI's
+    # about 20K), so the defaults fit one and its conversation
+    p.add_argument("--max-context", type=_positive, default=65_536,
                    help="most tokens per request, prompt and output together")
     p.add_argument("--kv-capacity", type=_positive, default=131_072,
                    help="KV positions the block pool holds, shared by lanes and endpoints")
@@ -273,7 +302,20 @@ def settings_from(args: argparse.Namespace, model_name: str | None = None):
                     api_keys=load_keys(args.api_key), max_pending=args.max_pending,
                     pending_timeout=args.pending_timeout, max_body_bytes=args.max_body_bytes,
                     keepalive_s=args.keepalive, spec=args.spec,
-                    grammar_timeout=args.grammar_timeout)
+                    grammar_timeout=args.grammar_timeout,
+                    reasoning_budget=args.reasoning_budget,
+                    model_aliases=aliases(args.model_alias, args.model_id or model_name
+                                          or "ninfer"),
+                    claude_names=args.claude_names)
+
+
+def aliases(pairs: list[tuple[str, str]], model_id: str) -> tuple[str, ...]:
+    """The alias names of `--model-alias NAME=ID` pairs; an ID other than the served model's
+    is an error (this server serves one model)."""
+    for name, target in pairs:
+        if target != model_id:
+            raise SystemExit(f"--model-alias {name}={target}: this server serves {model_id!r}")
+    return tuple(name for name, _ in pairs)
 
 
 def build(args: argparse.Namespace):

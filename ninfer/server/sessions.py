@@ -5,12 +5,12 @@ requests may carry one, in order of precedence, as `KeySource`s; the first with 
 wins (`submission.request_session_key` puts them together for a `UnifiedRequest`):
   1. the `X-Session-Id` header, for every API;
   2. the API's own fields: chat and text completions' `session_id`, then OpenAI's
-     `prompt_cache_key`; the Responses API's `prompt_cache_key`; (Anthropic's
-     `metadata.user_id`);
-  3. unless `--no-derive-session-keys` (chat and responses, not text completions): a digest
-     of the instructions (system and developer messages, in order, before any merging) and
-     the first user message, so the same conversation gets the same key whichever API
-     sends it.
+     `prompt_cache_key`; the Responses API's `prompt_cache_key`; the Messages API's
+     `session_id`, then Anthropic's `metadata.user_id` (where Claude Code puts its session);
+  3. unless `--no-derive-session-keys` (chat, responses and messages, not text
+     completions): a digest of the instructions (system and developer messages, in order,
+     before any merging) and the first user message, so the same conversation gets the same
+     key whichever API sends it.
 A request without a key is planned from shared prefixes only.
 
 Tenant (who may see a cache entry): the API key in use (its digest: keys never reach the

@@ -62,8 +62,10 @@ def sse(data: Body | dict | str) -> bytes:
 class StreamShape(ABC):
     """How one API writes a generation on the wire. A stream is `opening()`, then
     `on_delta(d)` for each delta, then `closing()` when the generation succeeded or
-    `failing(error)` when it did not, each a list of SSE events; a whole body is
-    `body(deltas)`. Created for one generation, used on the event loop's thread."""
+    `failing(error)` when it did not, each a list of SSE events, with `keepalive()` whenever
+    nothing else was sent for the keep-alive interval; a whole body is `body(deltas)`, an
+    error before the stream started `error_body(error)` (OpenAI's shape unless the API has
+    its own). Created for one generation, used on the event loop's thread."""
 
     @abstractmethod
     def opening(self) -> list[bytes]:
@@ -84,6 +86,12 @@ class StreamShape(ABC):
     @abstractmethod
     def body(self, deltas: list[Delta]) -> Body:
         ...
+
+    def keepalive(self) -> bytes:
+        return b": keep-alive\n\n"
+
+    def error_body(self, error: ApiError) -> dict:
+        return error.body()
 
 
 class Shape(StreamShape):
@@ -278,7 +286,7 @@ class GenerationResponse(Response):
         self.status_sent = status
 
     async def _send_error(self, send, error: ApiError) -> None:
-        body = json.dumps(error.body()).encode()
+        body = json.dumps(self.shape.error_body(error)).encode()
         extra = [(b"content-length", str(len(body)).encode())]
         if error.retry_after is not None:
             extra.append((b"retry-after", str(max(1, round(error.retry_after))).encode()))
@@ -348,14 +356,15 @@ class GenerationResponse(Response):
         keepalive = self.gen.server.settings.keepalive_s
         while gen.terminal is None and not gone.is_set():
             event = await gen.next_event(min(keepalive, 0.25))
-            if event is None:
-                if time.monotonic() - self._last_sent >= keepalive:
-                    await emit(b": keep-alive\n\n")
+            if event is not None:
+                for d in gen.absorb(event):
+                    for data in shape.on_delta(d):
+                        await emit(data)
                     self._last_sent = time.monotonic()
-                continue
-            for d in gen.absorb(event):
-                for data in shape.on_delta(d):
-                    await emit(data)
+            # checked after events too: a prefill's progress events may come more often than
+            # the wait's timeout, and they send nothing
+            if time.monotonic() - self._last_sent >= keepalive:
+                await emit(shape.keepalive())
                 self._last_sent = time.monotonic()
         if gone.is_set():
             return

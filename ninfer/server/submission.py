@@ -1,8 +1,10 @@
 """The one path underneath every API: a `UnifiedRequest` (unified.py) becomes token ids (the
-chat template, the conversation's remembered ids, pinned spans), sampling parameters with
-the reply's grammar and logit bias (formats.py), a session key and a tenant, and is
-submitted to the engine as a `Generation`. Adapters call `start`; what comes back is shaped
-by each API on its own."""
+chat template, the conversation's remembered ids, pinned spans), sampling parameters (the
+reasoning budget among them, wherever the prompt leaves a reasoning block open; the reply's
+grammar and logit bias: formats.py), a session key and a tenant, and is submitted to the
+engine as a `Generation`. Adapters call `start`; what comes back is shaped by each API on its
+own, and so are its errors (an adapter may reword them: `ContextExceeded` carries its
+figures)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from ..lifecycle.request import SamplingParams
 from ..model.template import ChatTemplateError
 from ..model.tokenizer import Tokenizer
-from . import formats, sessions
+from . import formats, reasoning, sessions
 from .errors import ApiError, bad_request
 from .generation import Generation, Settings
 from .parsing import THINK_CLOSE, THINK_OPEN, OutputParser
@@ -33,8 +35,30 @@ class Rendered(NamedTuple):
     shared: int                   # the end of the shared prefix (system prompt, tools); 0: none
 
 
+class ContextExceeded(ApiError):
+    """The prompt, or the prompt and the output limit asked for, do not fit the context: a
+    400 `context_length_exceeded` in OpenAI's words, with the figures an adapter needs to say
+    it in its own."""
+
+    def __init__(self, prompt_len: int, max_context: int, asked: int | None = None) -> None:
+        message = (f"this model's maximum context length is {max_context} tokens; the prompt "
+                   f"has {prompt_len}")
+        if asked is not None:
+            message += f" and max_tokens asks for {asked}"
+        super().__init__(400, message, param="messages" if asked is None else "max_tokens",
+                         code="context_length_exceeded")
+        self.prompt_len, self.max_context, self.asked = prompt_len, max_context, asked
+
+    @property
+    def longest_prompt(self) -> int:
+        """The most prompt tokens the context takes (one output token must fit after)."""
+        return self.max_context - 2
+
+
 def check_model(server: Server, name: str | None) -> None:
-    if name is not None and name != server.settings.model_id:
+    """The model's id and its `--model-alias` names are served; none named is the model."""
+    settings = server.settings
+    if name is not None and name != settings.model_id and name not in settings.model_aliases:
         raise ApiError(404, f"the model {name!r} does not exist; this server serves "
                             f"{server.settings.model_id!r}", param="model",
                        code="model_not_found")
@@ -102,18 +126,16 @@ def stop_tokens(server: Server, sampling: Sampling) -> frozenset[int]:
 
 def sampling_params(sampling: Sampling, prompt_len: int, settings: Settings,
                     stop_ids: frozenset[int]) -> SamplingParams:
-    """The engine's parameters; 400 `context_length_exceeded` when the prompt (and the
-    output limit asked for) do not fit the context."""
+    """The engine's parameters; `ContextExceeded` when the prompt (and the output limit asked
+    for, unless the request lets it be lowered to fit) do not fit the context."""
     room = settings.max_context - prompt_len - 1
     limit = sampling.max_tokens
     if room < 1:
-        raise ApiError(400, f"this model's maximum context length is {settings.max_context} "
-                            f"tokens; the prompt has {prompt_len}", param="messages",
-                       code="context_length_exceeded")
+        raise ContextExceeded(prompt_len, settings.max_context)
     if limit is not None and limit > room:
-        raise ApiError(400, f"this model's maximum context length is {settings.max_context} "
-                            f"tokens; the prompt has {prompt_len} and max_tokens asks for "
-                            f"{limit}", param="max_tokens", code="context_length_exceeded")
+        if not sampling.fit_to_context:
+            raise ContextExceeded(prompt_len, settings.max_context, limit)
+        limit = room
     default = room if sampling.open_ended else min(settings.default_max_tokens, room)
     max_tokens = limit if limit is not None else default
     if sampling.min_tokens and sampling.min_tokens > max_tokens:
@@ -210,6 +232,8 @@ async def start(server: Server, request: UnifiedRequest, *, headers, api_key: st
     else:
         ids, boundaries, shared, parser = completion_ids(server, request.prompt), (), 0, None
     params = sampling_params(request.sampling, len(ids), server.settings, stop_ids)
+    if thinking:
+        params = reasoning.bounded(params, request.reasoning_budget, server.tokenizer)
     open_limit = request.sampling.max_tokens is None
     params = await formats.constrain(
         server, params, answer=request.answer,

@@ -1,7 +1,7 @@
 """The one request type underneath every API.
 
-Contract. Each API adapter (chat completions, text completions, responses; Anthropic's
-messages the same way) validates its body with its own pydantic model, converts it into one
+Contract. Each API adapter (chat completions, text completions, responses, Anthropic's
+messages) validates its body with its own pydantic model, converts it into one
 `UnifiedRequest`, and hands that to `submission.start`, which renders it with the model's
 chat template into token ids and submits it to the engine. Below the adapters nothing knows
 which API was called: the same conversation sent through any of them renders to the same
@@ -17,7 +17,10 @@ Everything here is in the chat template's terms, not any API's:
 - `tools`: function tools (`ToolSpec`); a tool of one free-text argument (the Responses API's
   `custom`) is a function whose one parameter is the string `input`.
 - `reasoning`: the template's thinking switch (`enable_thinking`): True, False, or None for
-  the template's default. `reasoning_budget`: the most reasoning tokens, None for no budget.
+  the template's default. `reasoning_budget`: the most reasoning tokens, None for no budget;
+  the adapter resolves it (the request's own number, else its effort through the table in
+  reasoning.py, else the server's `--reasoning-budget`), and the path underneath enforces it
+  wherever the rendered prompt leaves a reasoning block open.
 - `sampling`: what chooses tokens and ends the reply (`Sampling`).
 - `answer`: the format the answer must match (`formats.AskedFormat`: a JSON schema, any JSON
   object, a regex, one of some strings, a Lark grammar) with the request field that asked
@@ -35,7 +38,7 @@ Everything here is in the chat template's terms, not any API's:
   those ids, so the prompt is the very ids the model computed on.
 
 This module imports nothing of the server but the request schemas, the key source and the
-reading of chat and text completions' answer format (formats.py)."""
+effort table and the reading of chat and text completions' answer format (formats.py)."""
 
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from .formats import AskedFormat, answer_format
+from .reasoning import budget_for_effort
 from .schemas import ChatRequest, CompletionRequest, SamplingFields
 from .sessions import KeySource
 
@@ -103,6 +107,9 @@ class Sampling(NamedTuple):
     # with no max_tokens, the reply may run to the context's end (as OpenAI's Responses API
     # does) rather than stop at the server's --default-max-tokens
     open_ended: bool = False
+    # a max_tokens larger than what the context leaves is lowered to fit rather than refused
+    # (as Anthropic's API does: Claude Code asks for up to 64K)
+    fit_to_context: bool = False
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -205,9 +212,11 @@ def openai_key_sources(body: SamplingFields) -> tuple[KeySource, ...]:
     return (KeySource("id", body.session_id), KeySource("cache", body.prompt_cache_key))
 
 
-def from_chat(body: ChatRequest) -> UnifiedRequest:
-    """A chat completion request. Raises ValueError for a bad `chat_template_kwargs`, and
-    ApiError (400) for output formats asked for twice or a schema that is not JSON."""
+def from_chat(body: ChatRequest, *, default_budget: int | None) -> UnifiedRequest:
+    """A chat completion request; `default_budget` is the server's reasoning budget, for a
+    request whose `reasoning_effort` names none. Raises ValueError for a bad
+    `chat_template_kwargs`, and ApiError (400) for output formats asked for twice or a
+    schema that is not JSON."""
     messages = tuple(ChatMessage(
         role="system" if m.role == "developer" else m.role, content=m.text(),
         reasoning=m.reasoning_content,
@@ -221,6 +230,7 @@ def from_chat(body: ChatRequest) -> UnifiedRequest:
         route="openai-chat", model=body.model, messages=messages, tools=tools,
         tool_choice=choice if isinstance(choice, str | None) else choice.function.get("name"),
         parallel_tool_calls=body.parallel_tool_calls, reasoning=body.enable_thinking(),
+        reasoning_budget=budget_for_effort(body.reasoning_effort, default_budget),
         sampling=sampling_of(body, body.output_limit, body.top_n),
         answer=answer_format(body), logit_bias=bias_pairs(body),
         key_sources=openai_key_sources(body), derive_key=True, cache_salt=body.cache_salt)

@@ -1,10 +1,10 @@
-"""`ninfer bench serve`'s Responses API client measures what its chat client measures: the
-time to the first text delta, the total, and the usage in chat's terms, for the same prompt
-and greedy output (so the two decode rates compare like for like)."""
+"""`ninfer bench serve`'s Responses API and Messages API clients measure what its chat client
+measures: the time to the first text delta, the total, and the usage in chat's terms, for the
+same prompt and greedy output (so the decode rates compare like for like)."""
 
 from __future__ import annotations
 
-from ninfer.bench.serve import _stream, _stream_responses
+from ninfer.bench.serve import _stream, _stream_messages, _stream_responses
 
 
 def test_the_responses_client_measures_like_the_chat_client(live):
@@ -17,3 +17,15 @@ def test_the_responses_client_measures_like_the_chat_client(live):
     assert responses["usage"]["prompt_tokens"] == chat["usage"]["prompt_tokens"]
     for run in (chat, responses):
         assert 0 < run["ttft"] < run["total"]
+
+
+def test_the_messages_client_measures_like_the_chat_client(live):
+    messages = [{"role": "user", "content": "A bench prompt of a few words."}]
+    chat = _stream(live.url, {"messages": messages, "max_tokens": 6, "temperature": 0,
+                              "reasoning_effort": "none"})
+    anthropic = _stream_messages(live.url, {
+        "model": "claude-bench", "messages": messages, "max_tokens": 6, "temperature": 0,
+        "thinking": {"type": "disabled"}})
+    assert anthropic["usage"]["completion_tokens"] == chat["usage"]["completion_tokens"] == 6
+    assert anthropic["usage"]["prompt_tokens"] == chat["usage"]["prompt_tokens"]
+    assert 0 < anthropic["ttft"] < anthropic["total"]

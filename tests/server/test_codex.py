@@ -15,75 +15,30 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-import socket
 import sqlite3
 import subprocess
-import sys
-import time
-import warnings
 from pathlib import Path
 
-import httpx
 import pytest
 
-from .brief_model import REPLY, brief_model
+from .agent_clis import NO_NETWORK, npm_install, served_with_defaults
+from .brief_model import REPLY
 
-ROOT = Path(__file__).resolve().parents[2]
 CODEX = "@openai/codex@0.171.0"
-CACHE = ROOT / ".cache" / "agent-clis"   # ignored by git (.gitignore)
-NO_NETWORK = {"HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
-              "ALL_PROXY": "http://127.0.0.1:9", "NO_PROXY": "127.0.0.1,localhost"}
 
 
 @pytest.fixture(scope="session")
 def codex_cli() -> Path:
-    """The Codex CLI, installed from the npm registry into CACHE once per test run."""
-    npm = shutil.which("npm")
-    if npm is None:
-        message = "npm is not installed: the Codex CLI end-to-end test did NOT run"
-        warnings.warn(message, stacklevel=1)
-        pytest.skip(message)
-    prefix = CACHE / "codex"
-    prefix.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--prefix", str(prefix),
-                           CODEX], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"npm install {CODEX} failed:\n{done.stderr[-3000:]}"
-    return prefix / "node_modules" / ".bin" / "codex"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """The Codex CLI, installed from the npm registry once per test run."""
+    return npm_install(CODEX, "codex", "codex")
 
 
 @pytest.fixture
 def served(tmp_path):
     """`ninfer serve --port P` in its own process, on the brief default model; its URL and
     journal."""
-    home, state = tmp_path / "ninfer-home", tmp_path / "state"
-    brief_model(home)
-    port = _free_port()
-    env = {**os.environ, "NINFER_HOME": str(home), "XDG_STATE_HOME": str(state)}
-    url = f"http://127.0.0.1:{port}"
-    with open(tmp_path / "serve.log", "w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "ninfer.cli", "serve", "--port",
-                                    str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert process.poll() is None, (tmp_path / "serve.log").read_text()
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.2)
-        else:
-            raise AssertionError("ninfer serve did not become ready")
-        yield url, state / "ninfer" / "journal.db"
-    finally:
-        process.terminate()
-        process.wait(30)
+    with served_with_defaults(tmp_path) as server:
+        yield server.url, server.journal
 
 
 def test_codex_exec_completes_a_turn(codex_cli, served, tmp_path):

@@ -31,3 +31,20 @@ def test_prefill_chunk_and_dtype_default_to_the_device_and_explicit_ones_win(tmp
             assert engine.model.dtype == dtype
         finally:
             loaded.thread.stop()
+
+
+def test_model_aliases_reasoning_budget_and_claude_names_reach_the_settings():
+    import pytest
+
+    from ninfer.server.serve import settings_from
+    plain = settings_from(_args(), "tiny")
+    assert (plain.model_aliases, plain.reasoning_budget, plain.claude_names) == ((), None, True)
+    assert (plain.max_context, _args().kv_capacity) == (65_536, 131_072)  # an agent's prompt
+    set_ = settings_from(_args("--model-alias", "a=tiny", "--model-alias", "b=tiny",
+                               "--reasoning-budget", "0", "--no-claude-names"), "tiny")
+    assert (set_.model_aliases, set_.reasoning_budget, set_.claude_names) == (
+        ("a", "b"), 0, False)
+    with pytest.raises(SystemExit, match="serves 'tiny'"):
+        settings_from(_args("--model-alias", "a=other"), "tiny")
+    with pytest.raises(SystemExit):
+        _args("--model-alias", "no-equals-sign")

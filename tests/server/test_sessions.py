@@ -143,7 +143,8 @@ def test_the_first_source_found_wins_and_sources_never_collide():
     header = {"x-session-id": "abc"}
 
     def key(headers, body, derive):
-        unified = from_chat(body) if isinstance(body, ChatRequest) else from_completion(body)
+        unified = (from_chat(body, default_budget=None) if isinstance(body, ChatRequest)
+                   else from_completion(body))
         return request_session_key(headers, unified, derive=derive)
 
     full = _chat(session_id="abc", prompt_cache_key="abc")

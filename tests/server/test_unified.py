@@ -27,7 +27,7 @@ def responses(**fields) -> ResponsesRequest:
 
 
 def convert(body: ResponsesRequest, decode=lambda ids: "".join(map(chr, ids))):
-    return to_unified(body, model="m", vocab_size=1000, decode=decode)
+    return to_unified(body, model="m", vocab_size=1000, decode=decode, default_budget=None)
 
 
 def test_chat_and_responses_convert_to_the_same_messages_and_tools():
@@ -38,7 +38,8 @@ def test_chat_and_responses_convert_to_the_same_messages_and_tools():
                       "tool_calls": [{"id": "c1", "type": "function", "function": {
                           "name": "w", "arguments": "{}"}}]},
                      {"role": "tool", "tool_call_id": "c1", "content": "sun"}],
-        "tools": [{"type": "function", "function": {"name": "w", "parameters": {}}}]}))
+        "tools": [{"type": "function", "function": {"name": "w", "parameters": {}}}]}),
+        default_budget=None)
     resp = convert(responses(instructions="Be brief.", input=[
         {"role": "developer", "content": "Use tools."},
         {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
@@ -59,7 +60,8 @@ def test_every_api_carries_its_answer_format_and_the_field_it_came_from():
     chat = from_chat(ChatRequest.model_validate({
         "messages": [{"role": "user", "content": "x"}], "logit_bias": {"7": 2, "3": -1.5},
         "response_format": {"type": "json_schema",
-                            "json_schema": {"name": "n", "schema": schema, "strict": True}}}))
+                            "json_schema": {"name": "n", "schema": schema, "strict": True}}}),
+        default_budget=None)
     assert chat.answer == AskedFormat(OutputFormat("json_schema", schema, True),
                                       "response_format")
     assert chat.logit_bias == ((3, -1.5), (7, 2.0))

@@ -1,0 +1,89 @@
+"""What the agent CLI tests share (test_codex.py, test_claude_code.py): a CLI installed from
+the npm registry once per test run into CACHE (skipped, loudly, only where npm is missing),
+and `ninfer serve` started in its own process with no options but a free port, on the
+default model made to answer briefly (brief_model.py), its journal under the test's tmp."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import httpx
+import pytest
+
+from .brief_model import brief_model
+
+ROOT = Path(__file__).resolve().parents[2]
+CACHE = ROOT / ".cache" / "agent-clis"   # ignored by git (.gitignore)
+# a CLI run offline but for the local server: any other connection goes nowhere
+NO_NETWORK = {"HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
+              "ALL_PROXY": "http://127.0.0.1:9", "NO_PROXY": "127.0.0.1,localhost"}
+
+
+def npm_install(package: str, prefix: str, command: str) -> Path:
+    """`command` of `package` (name@version), installed under CACHE/`prefix`."""
+    npm = shutil.which("npm")
+    if npm is None:
+        message = f"npm is not installed: the {package} end-to-end test did NOT run"
+        warnings.warn(message, stacklevel=2)
+        pytest.skip(message)
+    where = CACHE / prefix
+    where.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--prefix", str(where),
+                           package], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"npm install {package} failed:\n{done.stderr[-3000:]}"
+    return where / "node_modules" / ".bin" / command
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served(NamedTuple):
+    url: str
+    journal: Path
+    log: Path       # the server's output
+
+
+@contextlib.contextmanager
+def served_with_defaults(tmp_path: Path) -> Iterator[Served]:
+    """`ninfer serve --port P` in its own process, on the brief default model, until the
+    block ends."""
+    home, state = tmp_path / "ninfer-home", tmp_path / "state"
+    brief_model(home)
+    port = _free_port()
+    env = {**os.environ, "NINFER_HOME": str(home), "XDG_STATE_HOME": str(state)}
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "ninfer.cli", "serve", "--port",
+                                    str(port)], env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert process.poll() is None, log.read_text()
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("ninfer serve did not become ready")
+        yield Served(url, state / "ninfer" / "journal.db", log)
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
