@@ -14,7 +14,8 @@ puts the compiled grammar into its sampling parameters; the path underneath ever
 (submission.py) calls it. Everything is checked before the request is queued: a format that
 cannot be built, a grammar that does not compile (in a worker thread, within the server's
 timeout) or is too large, a biased token outside the vocabulary is a 400 naming the field and
-the problem.
+the problem. With thinking on, the reasoning budget is set so that the answer gets its turn
+(`answer_turn`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from typing import Any, NamedTuple
 
 from ..engine.grammar import GrammarError
 from ..lifecycle.request import SamplingParams
+from ..model.tokenizer import Tokenizer
 from .errors import ApiError, bad_request
+from .reasoning import bounded
 from .reply_grammar import OutputFormat, ToolCalls, ToolFormat, document_bound, reply_grammar
 from .schemas import SamplingFields
 
@@ -109,9 +112,10 @@ async def constrain(server, params: SamplingParams, *, answer: AskedFormat | Non
     """`params` with a reply's grammar (compiled, or a 400 naming the field the answer
     format came from, else `tools`) and logit bias ((token id, bias) pairs; an id outside
     the vocabulary is a 400 naming `logit_bias`). `reasoning`: the prompt left a reasoning
-    block open, so the grammar starts after its end token; `room`: the most tokens the reply
-    may have when the client set no max_tokens (None when it did): a strict, bounded
-    document then gets the room to complete."""
+    block open, so the grammar starts after its end token, and the reasoning budget leaves
+    the answer its turn (`answer_turn`); `room`: the most tokens the reply may have when the
+    client set no max_tokens (None when it did): a strict, bounded document then gets the
+    room to complete."""
     if any(not 0 <= t < server.vocab_size for t, _ in bias):
         raise bad_request(f"logit_bias: token ids must be in [0, {server.vocab_size})",
                           "logit_bias")
@@ -138,12 +142,41 @@ async def constrain(server, params: SamplingParams, *, answer: AskedFormat | Non
     except TimeoutError:  # the compile goes on in its thread, bounded by llguidance's fuel
         raise ApiError(400, f"{param}: the grammar took longer than {timeout:g} s to compile",
                        param=param, code="grammar_too_complex") from None
-    max_tokens = params.max_tokens
-    if room is not None and fmt is not None and fmt.strict and not reasoning:
-        bound = document_bound(fmt.spec) if fmt.kind == "json_schema" else None
-        if bound is not None:  # every token is a byte or more, and the end token
-            max_tokens = max(max_tokens, min(bound + 1, room))
-    return dataclasses.replace(
-        params, grammar=grammar, logit_bias=bias, max_tokens=max_tokens,
+    bound = document_bound(fmt.spec) if fmt is not None and fmt.strict \
+        and fmt.kind == "json_schema" else None
+    constrained = dataclasses.replace(
+        params, grammar=grammar, logit_bias=bias,
         grammar_after=special.think_end if reasoning else None,
         stop_tokens=tuple(sorted(set(params.stop_tokens) | set(grammars.end_tokens))))
+    # every token is a byte or more, and the end token comes after the document
+    return answer_turn(constrained, None if bound is None else bound + 1, room,
+                       server.tokenizer if reasoning else None)
+
+
+def answer_turn(params: SamplingParams, need: int | None, room: int | None,
+                tokenizer: Tokenizer | None) -> SamplingParams:
+    """A constrained reply's output limit and reasoning budget, so that its answer gets its
+    turn. `need`: the most tokens the answer takes (a strict, bounded document), None when
+    unknown; `room`: the most tokens the reply may have when the client set no limit (None
+    when it did); `tokenizer`: the prompt left a reasoning block open (None: it did not).
+
+    Without reasoning, a limit the client did not set is raised to `need`. With reasoning,
+    such a limit is raised to the request's budget, the close and `need`; then the budget is
+    at most the limit less the close and `need` (half the limit when `need` is unknown), and
+    a request without a budget gets that one: the reasoning is closed in time for the
+    answer to start (and, with `need` known, to complete)."""
+    limit = params.max_tokens
+    if tokenizer is None:
+        if room is not None and need is not None:
+            limit = max(limit, min(need, room))
+        return dataclasses.replace(params, max_tokens=limit)
+    closing = bounded(params, 0, tokenizer)
+    if not closing.reasoning_close:   # nothing could close the block: no budget to set
+        return params
+    close = len(closing.reasoning_close)
+    budget = params.reasoning_budget
+    if room is not None and need is not None:
+        limit = max(limit, min((budget or 0) + close + need, room))
+    most = max(limit - close - (need if need is not None else limit // 2), 0)
+    budget = most if budget is None else min(budget, most)
+    return bounded(dataclasses.replace(params, max_tokens=limit), budget, tokenizer)

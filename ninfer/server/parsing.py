@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+ANSWER_GAP = "\n\n"   # the template's blank line between a turn's reasoning and its answer
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 
@@ -158,7 +159,7 @@ class OutputParser:
     def _close(self, before: str, tag: str, out: list[Delta]) -> None:
         if tag == THINK_CLOSE:
             self._emit(before.removesuffix("\n"), out)
-            self.mode, self._strip_lead = "content", "\n\n"
+            self.mode, self._strip_lead = "content", ANSWER_GAP
         elif tag == THINK_OPEN:
             self._emit(before, out)
             self.mode, self._strip_lead = "reasoning", "\n"

@@ -31,7 +31,7 @@ import dataclasses
 
 from ..lifecycle.request import SamplingParams
 from ..model.tokenizer import Tokenizer
-from .parsing import THINK_CLOSE
+from .parsing import ANSWER_GAP, THINK_CLOSE
 
 EFFORT_BUDGETS: dict[str, int | None] = {
     "none": 0, "minimal": 256, "low": 1024, "medium": 4096, "high": 16_384,
@@ -39,8 +39,10 @@ EFFORT_BUDGETS: dict[str, int | None] = {
 }
 
 # what the chat template writes after a turn's reasoning: the parser splits it off
-# (server/parsing.py), so a forced close leaves no mark in the reasoning or the answer
-CLOSE_TEXT = "\n" + THINK_CLOSE + "\n\n"
+# (server/parsing.py), so a forced close leaves no mark in the reasoning or the answer; a
+# grammar that holds the answer starts with the same gap (reply_grammar.py), so its mask
+# never refuses the close
+CLOSE_TEXT = "\n" + THINK_CLOSE + ANSWER_GAP
 
 
 def budget_for_effort(effort: str | None, default: int | None) -> int | None:

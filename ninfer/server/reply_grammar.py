@@ -29,7 +29,7 @@ from typing import Any, Literal, NamedTuple
 
 import llguidance
 
-from .parsing import CALL_CLOSE, CALL_OPEN, THINK_CLOSE, THINK_OPEN
+from .parsing import ANSWER_GAP, CALL_CLOSE, CALL_OPEN, THINK_CLOSE, THINK_OPEN
 
 Kind = Literal["json_schema", "json_object", "regex", "choice", "lark"]
 NUMBER_LIMIT = 10**15 - 1      # strict: the bound of a number without one
@@ -101,7 +101,7 @@ def reply_grammar(answer: OutputFormat | None = None, calls: ToolCalls | None = 
     if not body:
         return None
     start = " | ".join(body)
-    top = (f"start: {json.dumps(chr(10) * 2)} ({start})" if after_reasoning
+    top = (f"start: {json.dumps(ANSWER_GAP)} ({start})" if after_reasoning
            else f"start: {start}")
     return json.dumps({"grammars": [{"lark_grammar": "\n".join([top, *rules])}, *subgrammars]},
                       ensure_ascii=False)

@@ -1,9 +1,10 @@
 """Constrained decoding through the engine, token by token, on the embedded model (float64):
 Hypothesis-generated JSON schemas whose replies parse and validate, with plain, MTP and
 n-gram decoding at temperature 0 and 1; drafting changes no greedy constrained output; a
-strict bounded schema always completes within its stated bound; reasoning stays free; a
-request preempted or cut in the middle of a JSON object goes on (or is retried) under the
-same grammar; the grammar is journaled with the request."""
+strict bounded schema always completes within its stated bound; reasoning stays free, and a
+reasoning budget's close leaves the answer its turn; a request preempted or cut in the
+middle of a JSON object goes on (or is retried) under the same grammar; the grammar is
+journaled with the request."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from ninfer.engine.runner import Runner
 from ninfer.lifecycle.journal import Journal
 from ninfer.lifecycle.reader import JournalReader
 from ninfer.lifecycle.request import SamplingParams, grammar_hash
+from ninfer.server.reasoning import bounded
 from ninfer.server.reply_grammar import document_bound
 from ninfer.sim.harness import Harness
 
@@ -221,6 +223,37 @@ def test_reasoning_is_free_and_the_grammar_holds_from_its_end(spec):
     answer = tok.decode(held[cut + 1:-1])
     assert answer.startswith("\n\n") and got["held"].stop_reason == "stop_token"
     jsonschema.validate(json.loads(answer), BOUNDED)
+
+
+def test_a_budget_closes_the_reasoning_and_the_constrained_answer_gets_its_turn():
+    """Thinking on, a small reasoning budget and a JSON schema: the budget's close is
+    committed as if chosen (the grammar, from the end of the reasoning, never refuses it),
+    then the answer is a complete, valid document; greedy and sampled, under plain, MTP
+    and n-gram decoding, and drafting changes no greedy reply."""
+    tok = tokenizer()
+    think_end = tok.special.think_end
+    prompt = chat_prompt("Reply with a JSON document.", thinking=True)
+    grammar = json_grammar(BOUNDED, after_reasoning=True)
+    budget = 5
+    held = bounded(SamplingParams(max_tokens=1, stop_tokens=end_tokens(), grammar=grammar,
+                                  grammar_after=think_end, seed=7), budget, tok)
+    close = list(held.reasoning_close)
+    assert think_end in close
+    held = dataclasses.replace(
+        held, max_tokens=budget + len(close) + document_bound(BOUNDED) + 1)
+    greedy = {}
+    for spec in SPECS:
+        got = run(harness(spec), {"g": held, "s": dataclasses.replace(held, temperature=1.0)},
+                  prompt)
+        for request in got.values():
+            out = request.outputs
+            assert think_end not in out[:budget]          # the model did not close it itself
+            assert out[budget:budget + len(close)] == close
+            answer = tok.decode(out[budget + len(close):-1])
+            assert request.stop_reason == "stop_token", answer
+            jsonschema.validate(json.loads(answer), BOUNDED)
+        greedy[spec] = got["g"].outputs
+    assert greedy["mtp"] == greedy["none"] == greedy["ngram"]
 
 
 def test_the_reply_cannot_end_inside_its_reasoning():

@@ -1,8 +1,8 @@
 """Constrained output over HTTP, on the live server's random tiny model: every format field
 reaches the engine as a grammar the reply then matches (a complete document when
 `finish_reason` is "stop", a prefix of one when "length"), forced tool calls always are
-well-formed calls, reasoning stays free, the logit bias works, and every bad format is a
-400 naming its field before anything is queued."""
+well-formed calls, reasoning stays free and is closed in time for the answer, the logit bias
+works, and every bad format is a 400 naming its field before anything is queued."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ import jsonschema
 import pytest
 
 from ninfer.engine.constraint import Constraint
+from ninfer.lifecycle.request import SamplingParams
+from ninfer.server.formats import answer_turn
+from ninfer.server.reasoning import bounded
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -182,6 +185,64 @@ def test_reasoning_stays_free_and_the_answer_follows_it(live):
     [call] = called["message"]["tool_calls"]
     jsonschema.validate(json.loads(call["function"]["arguments"]),
                         WEATHER["function"]["parameters"])
+
+
+def journaled(live, request_id: str) -> tuple[dict, list[int]]:
+    """The request's journaled parameters and output tokens."""
+    live.wait_terminal(request_id)
+    events = live.events(request_id)
+    params = next(e for k, e, _ in events if k == "RequestQueued")["params"]
+    return params, [t for k, e, _ in events if k == "TokensCommitted" for t in e["tokens"]]
+
+
+def test_a_small_budget_with_thinking_on_closes_the_reasoning_for_the_answer(live):
+    """The server's budget of 8, thinking on, a strict schema and no max_tokens: the
+    reasoning is closed at the budget (the grammar holds from its end), and the answer is a
+    complete, valid document."""
+    with live.configured(reasoning_budget=8):
+        r = httpx.post(live.url + CHAT, timeout=60, json=chat(response_format={
+            "type": "json_schema", "json_schema": {"name": "p", "schema": PERSON,
+                                                   "strict": True}}))
+    choice = r.json()["choices"][0]
+    params, tokens = journaled(live, r.headers["x-request-id"])
+    close = params["reasoning_close"]
+    assert params["reasoning_budget"] == 8 and tokens[8:8 + len(close)] == close
+    assert choice["message"]["reasoning_content"]
+    assert choice["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
+
+
+def test_without_a_budget_a_constrained_reply_still_gets_its_turn(live):
+    """No budget anywhere and thinking on: a constrained reply's reasoning is closed in time
+    for the answer, by half the output limit when the answer's length is unknown."""
+    r = httpx.post(live.url + CHAT, timeout=60, json=chat(
+        max_tokens=60, response_format={"type": "json_object"}))
+    choice = r.json()["choices"][0]
+    params, tokens = journaled(live, r.headers["x-request-id"])
+    close = params["reasoning_close"]
+    assert params["reasoning_budget"] == 60 - len(close) - 30
+    assert live.server.tokenizer.special.think_end in tokens[:30]
+    assert choice["message"]["content"].startswith("{")
+
+
+def test_the_answers_turn_in_numbers(live):
+    """answer_turn: the budget leaves the answer its room, never more than asked; a limit
+    the client did not set fits the budget, the close and a known answer."""
+    tokenizer = live.server.tokenizer
+    close = len(bounded(SamplingParams(), 0, tokenizer).reasoning_close)
+    asked = bounded(SamplingParams(max_tokens=300), 1024, tokenizer)
+    assert answer_turn(asked, None, None, tokenizer).reasoning_budget == 300 - close - 150
+    assert answer_turn(asked, 100, None, tokenizer).reasoning_budget == 300 - close - 100
+    small = bounded(SamplingParams(max_tokens=300), 7, tokenizer)
+    assert answer_turn(small, 100, None, tokenizer).reasoning_budget == 7
+    none = SamplingParams(max_tokens=300)
+    assert answer_turn(none, None, None, tokenizer).reasoning_budget == 300 - close - 150
+    opened = answer_turn(asked, 100, 5000, tokenizer)     # no max_tokens: room for it all
+    assert opened.max_tokens == 1024 + close + 100 and opened.reasoning_budget == 1024
+    assert answer_turn(asked, 100, 500, tokenizer).max_tokens == 500   # the context's end
+    # without reasoning: only the limit, raised to the answer when the client set none
+    assert answer_turn(none, 400, 5000, None) == SamplingParams(max_tokens=400)
+    assert answer_turn(none, 400, None, None) == none
 
 
 def test_logprobs_are_after_the_mask(live):
