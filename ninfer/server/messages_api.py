@@ -6,9 +6,12 @@ underneath (submission.py) as chat completions and responses do.
 Validated like the OpenAI requests (schemas.py): strictly where a wrong value would change
 behaviour, leniently where clients differ harmlessly (unknown fields, `cache_control`
 anywhere: reuse is automatic here). What this server cannot do is refused with a 400 that
-says so (image and document content, continuing a final assistant message, structured
-output); built-in tools it does not run (web search and the like) are dropped with one
-warning line in the log.
+says so (image and document content, continuing a final assistant message); built-in tools
+it does not run (web search and the like) are dropped with one warning line in the log.
+
+Constrained output, as on the other APIs (formats.py): `output_config.format` (a JSON
+schema) holds the answer to it, `tool_choice` `any` and `tool` force well-formed calls (one
+with `disable_parallel_tool_use`), and a `strict` tool's input is held to its schema.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from typing import Annotated, Any, Literal, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from .errors import bad_request
+from .formats import AskedFormat
 from .reasoning import budget_for_effort
+from .reply_grammar import OutputFormat
 from .sessions import KeySource
 from .unified import ChatMessage, Sampling, ToolCallRecord, ToolSpec, UnifiedRequest
 
@@ -97,6 +102,7 @@ class ToolDef(_Model):
     type: StrictStr | None = None
     description: StrictStr | None = None
     input_schema: dict[str, Any] | None = None
+    strict: StrictBool | None = None   # its input held to input_schema
 
     @property
     def built_in(self) -> bool:
@@ -105,10 +111,12 @@ class ToolDef(_Model):
 
 class ToolChoiceAuto(_Model):
     type: Literal["auto"]
+    disable_parallel_tool_use: StrictBool | None = None
 
 
 class ToolChoiceAny(_Model):
     type: Literal["any"]
+    disable_parallel_tool_use: StrictBool | None = None
 
 
 class ToolChoiceNone(_Model):
@@ -118,6 +126,7 @@ class ToolChoiceNone(_Model):
 class ToolChoiceTool(_Model):
     type: Literal["tool"]
     name: StrictStr
+    disable_parallel_tool_use: StrictBool | None = None
 
 
 ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceNone | ToolChoiceTool,
@@ -142,9 +151,19 @@ Thinking = Annotated[ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive,
                      Field(discriminator="type")]
 
 
+class JsonOutputFormat(_Model):
+    """The answer held to a JSON schema (any JSON whitespace: Anthropic's format has no
+    `strict`)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
 class OutputConfig(_Model):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
-    format: dict[str, Any] | None = None   # structured output: refused (see to_unified)
+    format: JsonOutputFormat | None = None
 
 
 class Metadata(_Model):
@@ -203,15 +222,12 @@ def to_unified(body: MessagesRequest | CountTokensRequest, *, default_budget: in
 
     The model's name is the routes' to check (any `claude-*` name is the Messages API's
     own), so the request underneath names none."""
-    if body.output_config is not None and body.output_config.format is not None:
-        raise bad_request("output_config.format: structured output is not supported by this "
-                          "server", "output_config.format")
     messages = _conversation(body)
     for i, t in enumerate(body.tools or ()):
         if not t.built_in and t.input_schema is None:
             raise bad_request(f"tools.{i}.input_schema: a custom tool needs an input_schema",
                               f"tools.{i}.input_schema")
-    tools = tuple(ToolSpec(t.name, t.description, t.input_schema)
+    tools = tuple(ToolSpec(t.name, t.description, t.input_schema, t.strict)
                   for t in body.tools or () if not t.built_in)
     dropped = tuple(t.type or t.name for t in body.tools or () if t.built_in)
     enable, budget = _thinking(body, default_budget)
@@ -224,7 +240,8 @@ def to_unified(body: MessagesRequest | CountTokensRequest, *, default_budget: in
     request = UnifiedRequest(
         route=ROUTE, model=None, messages=messages, tools=tools,
         tool_choice=_tool_choice(body.tool_choice, {t.name for t in tools}),
-        reasoning=enable, reasoning_budget=budget, sampling=sampling,
+        parallel_tool_calls=_parallel(body.tool_choice),
+        reasoning=enable, reasoning_budget=budget, sampling=sampling, answer=_answer(body),
         key_sources=(KeySource("id", body.session_id), KeySource("user", user)),
         derive_key=True, cache_salt=body.cache_salt, merge_system=True)
     return MessagesTurn(request, dropped)
@@ -330,6 +347,22 @@ def _tool_choice(choice, names: set[str]) -> str | None:
             raise bad_request("tool_choice: 'any' needs tools", "tool_choice")
         return None
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+
+
+def _parallel(choice) -> bool | None:
+    """Anthropic's `disable_parallel_tool_use` as the request type's parallel_tool_calls."""
+    if choice is None or isinstance(choice, ToolChoiceNone) \
+            or choice.disable_parallel_tool_use is None:
+        return None
+    return not choice.disable_parallel_tool_use
+
+
+def _answer(body: MessagesFields) -> AskedFormat | None:
+    """`output_config.format` as the answer's format (None: free text)."""
+    fmt = body.output_config.format if body.output_config is not None else None
+    if fmt is None:
+        return None
+    return AskedFormat(OutputFormat("json_schema", fmt.schema_), "output_config.format")
 
 
 def _thinking(body: MessagesFields, default_budget: int | None) -> tuple[bool, int | None]:

@@ -177,8 +177,19 @@ BAD = [
                          "thinking": {"type": "enabled", "budget_tokens": -1}}, "budget"),
     ("unknown thinking type", {"messages": OK, "max_tokens": 2,
                                "thinking": {"type": "sometimes"}}, "thinking"),
-    ("structured output", {"messages": OK, "max_tokens": 2,
-                           "output_config": {"format": {"type": "json_schema"}}}, "format"),
+    ("format without a schema", {"messages": OK, "max_tokens": 2,
+                                 "output_config": {"format": {"type": "json_schema"}}},
+     "format"),
+    ("format of an unknown type", {"messages": OK, "max_tokens": 2,
+                                   "output_config": {"format": {"type": "yaml"}}}, "format"),
+    ("format schema that does not compile", {
+        "messages": OK, "max_tokens": 2,
+        "output_config": {"format": {"type": "json_schema", "schema": {"type": "strin"}}}},
+     "strin"),
+    ("forced tool and a format", {
+        "messages": OK, "max_tokens": 2, "tools": TOOLS, "tool_choice": {"type": "any"},
+        "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
+     "no room"),
 ]
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 
 from ninfer.server.errors import ApiError
+from ninfer.server.formats import AskedFormat
 from ninfer.server.messages_api import CountTokensRequest, MessagesRequest, to_unified
+from ninfer.server.reply_grammar import OutputFormat
 from ninfer.server.schemas import ChatRequest
 from ninfer.server.sessions import KeySource
 from ninfer.server.submission import request_session_key
@@ -99,6 +101,25 @@ def test_tool_choice(choice, expected):
                       messages=[{"role": "user", "content": "x"}]).request
     assert request.tool_choice == expected
     assert request.parses_tools == (expected != "none")
+
+
+@pytest.mark.parametrize("choice,parallel", [
+    ({"type": "any"}, None), ({"type": "any", "disable_parallel_tool_use": True}, False),
+    ({"type": "auto", "disable_parallel_tool_use": False}, True), ({"type": "none"}, None)])
+def test_disable_parallel_tool_use_and_strict_tools(choice, parallel):
+    request = convert(tools=[TOOL, dict(TOOL, name="strict_one", strict=True)],
+                      tool_choice=choice, messages=[{"role": "user", "content": "x"}]).request
+    assert request.parallel_tool_calls is parallel
+    assert [t.strict for t in request.tools] == [None, True]
+
+
+def test_output_config_format_is_the_answer_format():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    request = convert(output_config={"format": {"type": "json_schema", "schema": schema}},
+                      messages=[{"role": "user", "content": "x"}]).request
+    assert request.answer == AskedFormat(OutputFormat("json_schema", schema, False),
+                                         "output_config.format")
+    assert convert(messages=[{"role": "user", "content": "x"}]).request.answer is None
 
 
 def test_built_in_tools_are_dropped_and_tool_choice_goes_with_them():
