@@ -1,6 +1,7 @@
 """Constrained output on the Responses API, on the live server's random tiny model: the same
 path underneath as chat completions (submission.py) holds `text.format` and a forced
-`tool_choice` to their grammars; the response echoes the format and is the SDK's shape."""
+`tool_choice` to their grammars (after the reasoning, closed at its budget); the response
+echoes the format and is the SDK's shape."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import jsonschema
 import openai
 import pytest
 
-from .responses_helpers import MODEL, strict_event, strict_response
-from .test_constrained import PERSON, queued
+from .responses_helpers import MODEL, request_id, strict_event, strict_response
+from .test_constrained import PERSON, journaled, queued
 
 NO_THINKING = {"effort": "none"}
 STRICT_PERSON = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
@@ -64,6 +65,19 @@ def test_json_object_is_a_document_or_a_prefix_of_one(live):
     else:
         assert r["incomplete_details"]["reason"] == "max_output_tokens"
     assert r["text"]["format"] == {"type": "json_object"}
+
+
+def test_thinking_closed_at_the_budget_then_the_answer_validates(live):
+    """Thinking on (the template's default) and the server's budget of 8: the reasoning
+    item comes first, closed at its budget, and the answer after it is a valid document."""
+    with live.configured(reasoning_budget=8):
+        r = create(live, text={"format": STRICT_PERSON})
+    params, tokens = journaled(live, request_id(r["id"]))
+    close = params["reasoning_close"]
+    assert params["reasoning_budget"] == 8 and tokens[8:8 + len(close)] == close
+    assert [item["type"] for item in r["output"]] == ["reasoning", "message"]
+    assert r["status"] == "completed"
+    jsonschema.validate(json.loads(text_of(r)), PERSON)
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "allowed_tools", "mode": "required",
