@@ -64,16 +64,25 @@ def test_thinking_closed_at_a_small_budget_then_the_answer_validates(live, clien
 
 
 def test_tool_choice_any_always_yields_valid_tool_use(client):
-    for _ in range(3):   # sampled: a different reply each time
+    """Sampled, so a different reply each time: tool_use blocks and nothing else, each
+    valid; in parallel the model may go on calling until max_tokens cuts it (a call cut
+    short is left as text)."""
+    for disable in (False, False, True, True):
         message = client.messages.create(
             model=MODEL, max_tokens=200, extra_body={"temperature": 1.0}, tools=[WEATHER, TIME],
-            tool_choice={"type": "any"},
+            tool_choice={"type": "any", "disable_parallel_tool_use": disable},
             messages=[{"role": "user", "content": "What is the weather?"}])
         calls = [b for b in message.content if b.type == "tool_use"]
-        assert calls and message.stop_reason == "tool_use"
-        assert text_of(message) == ""
+        assert calls
         for call in calls:
             jsonschema.validate(call.input, SCHEMAS[call.name])
+        if disable:
+            assert len(calls) == 1 and message.stop_reason == "tool_use"
+        if message.stop_reason == "tool_use":
+            assert text_of(message) == ""
+        else:
+            assert message.stop_reason == "max_tokens"
+            assert text_of(message) == "" or text_of(message).startswith("<tool_call>")
 
 
 def test_a_named_tool_is_called_once_without_parallel_use(client):
