@@ -90,16 +90,8 @@ async def create_message(request: Request):
         api_key, body, turn = await _read(request, MessagesRequest)
         gen = await start(server, turn.request, headers=request.headers, api_key=api_key,
                           arrival=arrival)
-    except ApiError as exc:
-        server.metrics.response(exc.status)
-        return error_response(_in_its_words(exc))
-    except ClientGone:
-        server.metrics.response(499)
-        return PlainTextResponse("", status_code=499)
-    except Exception:
-        log.exception("messages: internal error")
-        server.metrics.response(500)
-        return error_response(ApiError(500, "internal error"))
+    except Exception as exc:  # every failure gets its answer, counted
+        return _refused(server, exc, _in_its_words)
     shape = MessagesShape(gen, body.model, clamped=gen.params.max_tokens < body.max_tokens)
     return GenerationResponse(gen, shape, stream=body.stream)
 
@@ -111,18 +103,24 @@ async def count_tokens(request: Request):
     try:
         _, _, turn = await _read(request, CountTokensRequest)
         ids = render_chat(server, turn.request, lambda t: encode(server.tokenizer, t)).ids
-    except ApiError as exc:
-        server.metrics.response(exc.status)
-        return error_response(exc)
-    except ClientGone:
-        server.metrics.response(499)
-        return PlainTextResponse("", status_code=499)
-    except Exception:
-        log.exception("messages: internal error")
-        server.metrics.response(500)
-        return error_response(ApiError(500, "internal error"))
+    except Exception as exc:  # every failure gets its answer, counted
+        return _refused(server, exc)
     server.metrics.response(200)
     return JSONResponse(TokenCount(input_tokens=len(ids)).model_dump())
+
+
+def _refused(server: Server, exc: Exception, words=lambda e: e):
+    """The counted answer to a request that failed before it started: its ApiError (in
+    `words`), nothing for a client that went away, else a logged 500."""
+    if isinstance(exc, ApiError):
+        server.metrics.response(exc.status)
+        return error_response(words(exc))
+    if isinstance(exc, ClientGone):
+        server.metrics.response(499)
+        return PlainTextResponse("", status_code=499)
+    log.error("messages: internal error", exc_info=exc)
+    server.metrics.response(500)
+    return error_response(ApiError(500, "internal error"))
 
 
 async def _wrong_method(request: Request):
