@@ -69,23 +69,6 @@ class Message(_Model):
             return self.content
         return "".join(p.text for p in self.content)
 
-    def for_template(self) -> dict[str, Any]:
-        """The message as the chat template reads it (developer is system)."""
-        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
-                               "content": self.text()}
-        if self.reasoning_content is not None:
-            out["reasoning_content"] = self.reasoning_content
-        if self.tool_calls:
-            out["tool_calls"] = [{"id": c.id, "type": "function",
-                                  "function": {"name": c.function.name,
-                                               "arguments": c.function.arguments}}
-                                 for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        if self.name is not None:
-            out["name"] = self.name
-        return out
-
 
 class FunctionDef(_Model):
     name: FunctionName

@@ -11,6 +11,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from ninfer.model.template import ChatTemplate
 from ninfer.server.schemas import ChatRequest
+from ninfer.server.unified import from_chat
 from ninfer.train import examples as ex
 from ninfer.train.corpus import Corpus, CorpusError, build, trained_template
 from ninfer.train.sources import HELD_OUT, files_sha256, functions, scan, stdlib_root
@@ -94,8 +95,8 @@ def test_the_tokenizer_round_trips_sources_and_chats(slice_corpus):
 def _as_server_sees(messages, tools):
     """The messages and tools as the server hands them to the template."""
     body = ChatRequest.model_validate({"messages": messages, "tools": tools})
-    return ([m.for_template() for m in body.messages],
-            [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None)
+    unified = from_chat(body, default_budget=None)  # the path every request takes
+    return unified.template_messages(), unified.template_tools()
 
 
 def test_examples_are_what_the_server_renders_for_the_same_conversation():
