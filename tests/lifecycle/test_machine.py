@@ -149,3 +149,20 @@ def test_guards_are_pure_questions():
             getattr(r, guard)(event)
     assert {k: v for k, v in vars(r).items() if k != "log"} == fields
     assert len(r.log.pending) == pending and event.kwargs["salvage"] is decision
+
+
+def test_only_a_fresh_prefill_detaches():
+    """A request resumed after preemption has decoded tokens its client saw: a cut there is
+    a plain cancel (the detach guard refuses), and so is one with no prompt left."""
+    r = _request()
+    _drive(r, ["start"])
+    r.outputs.append(7)                    # as a preempted, resumed request has
+    before = len(r.log.pending)
+    assert not fire(r, "detach")
+    assert r.state == "Prefilling" and len(r.log.pending) == before
+    r.outputs.clear()
+    r.cursor = r.detached_goal             # nothing left to prefill before the goal
+    assert not fire(r, "detach")
+    r.cursor = 3
+    assert fire(r, "detach") and r.state == "Detached"
+    assert _kinds(r, before) == ["PrefillDetached"]
