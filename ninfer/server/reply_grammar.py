@@ -19,6 +19,10 @@ formats (`strict: true`) have no free whitespace (`", "` and `": "` separate ite
 and keys, nothing else) and bounded numbers: a number without bounds stays within
 ±(10^15 - 1), and a non-integer one has at most 6 decimals (`multipleOf` 1e-6), so a
 complete document of a bounded schema has a bounded length (`document_bound`).
+
+A tool with an input grammar (a Responses API `custom` tool with a `grammar` format) is
+called as `{"input": "TEXT"}`, TEXT the JSON escaping of a sentence of that grammar
+(quoted_grammar.py), in every tool choice mode.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any, Literal, NamedTuple
 import llguidance
 
 from .parsing import ANSWER_GAP, CALL_CLOSE, CALL_OPEN, THINK_CLOSE, THINK_OPEN
+from .quoted_grammar import quoted_lark, quoted_regex
 
 Kind = Literal["json_schema", "json_object", "regex", "choice", "lark"]
 NUMBER_LIMIT = 10**15 - 1      # strict: the bound of a number without one
@@ -54,13 +59,35 @@ class OutputFormat(NamedTuple):
     strict: bool = False
 
 
+class InputGrammar(NamedTuple):
+    """A custom tool's input: one string parameter, its text held to a grammar (`syntax`
+    "lark" or "regex") written inside the JSON string (quoted_grammar.py)."""
+
+    syntax: Literal["lark", "regex"]
+    definition: str
+    parameter: str = "input"
+
+    def quoted(self) -> dict[str, Any]:
+        """The sub-grammar of the parameter's escaped text."""
+        if self.syntax == "regex":
+            return {"lark_grammar": "start: " + quoted_regex(self.definition)}
+        return {"lark_grammar": quoted_lark(self.definition)}
+
+
 class ToolFormat(NamedTuple):
     """A tool the model may call: its arguments' JSON schema (None: any object); `strict`
-    holds them to it exactly (strict formatting, see the module)."""
+    holds them to it exactly (strict formatting, see the module). A tool with an `input`
+    grammar is called with that one parameter, held to the grammar whatever the mode."""
 
     name: str
     parameters: dict[str, Any] | None = None
     strict: bool = False
+    input: InputGrammar | None = None
+
+    @property
+    def held(self) -> bool:
+        """Whether a call's arguments are constrained in "auto" mode too."""
+        return self.strict or self.input is not None
 
 
 class ToolCalls(NamedTuple):
@@ -90,7 +117,7 @@ def reply_grammar(answer: OutputFormat | None = None, calls: ToolCalls | None = 
         body.append(_answer(answer, subgrammars))
     if calls is not None:
         if calls.mode == "auto" and answer is None:
-            if not any(t.strict for t in calls.tools):
+            if not any(t.held for t in calls.tools):
                 return None
             rules.append("TEXT: /(?s:.+)/ & " + _NO_TAGS)
             rules.append("LEAD: /(?s:.+)\\n/ & " + _NO_TAGS)
@@ -134,12 +161,17 @@ def _calls(calls: ToolCalls, subgrammars: list[dict]) -> list[str]:
     tools = calls.tools[:1] if calls.mode == "named" else calls.tools
     alternatives = []
     for i, tool in enumerate(tools):
-        if calls.mode == "auto" and not tool.strict:
-            arguments = {"type": "object"}   # not held to its schema: any object
+        if tool.input is not None:
+            text = _subgrammar(subgrammars, f"input_{i}", tool.input.quoted())
+            opening = json.dumps(f'{{{json.dumps(tool.input.parameter)}: "')
+            args = f'{opening} {text} "\\"}}"'
         else:
-            arguments = _object_schema(tool)
-        args = _subgrammar(subgrammars, f"arguments_{i}",
-                           json_grammar(arguments, tool.strict))
+            if calls.mode == "auto" and not tool.strict:
+                arguments = {"type": "object"}   # not held to its schema: any object
+            else:
+                arguments = _object_schema(tool)
+            args = _subgrammar(subgrammars, f"arguments_{i}",
+                               json_grammar(arguments, tool.strict))
         head = json.dumps(f'\n{{"name": {json.dumps(tool.name)}, "arguments": ')
         # the tags are the tokenizer's own tokens (Lark's <token> syntax), as the model
         # writes them

@@ -36,7 +36,7 @@ from .errors import ApiError
 from .formats import AskedFormat
 from .reading import ClientGone, read_json, validate
 from .reasoning import budget_for_effort
-from .reply_grammar import OutputFormat
+from .reply_grammar import InputGrammar, OutputFormat
 from .responses_bodies import (
     CustomToolEcho,
     FunctionToolEcho,
@@ -105,12 +105,14 @@ def _tool_spec(tool: FunctionTool | CustomTool, name: str) -> ToolSpec:
     if isinstance(tool, FunctionTool):
         return ToolSpec(name, tool.description, tool.parameters, tool.strict)
     described = tool.description or ""
+    grammar = None
     if tool.format is not None and tool.format.type == "grammar" and tool.format.definition:
-        described += (f"\n\nThe input follows this {tool.format.syntax or 'lark'} grammar:\n"
-                      f"{tool.format.definition}")
+        syntax = tool.format.syntax or "lark"
+        described += f"\n\nThe input follows this {syntax} grammar:\n{tool.format.definition}"
+        grammar = InputGrammar(syntax, tool.format.definition, CUSTOM_INPUT)
     return ToolSpec(name, described.strip() or None, {
         "type": "object", "properties": {CUSTOM_INPUT: {"type": "string"}},
-        "required": [CUSTOM_INPUT]})
+        "required": [CUSTOM_INPUT]}, input=grammar)
 
 
 def convert_tools(tools: list | None) -> tuple[tuple[ToolSpec, ...], dict[str, CalledAs]]:

@@ -209,7 +209,7 @@ def completion_ids(server: Server, prompt: str | tuple[int, ...]) -> list[int]:
 
 def request_tool_calls(request: UnifiedRequest) -> ToolCalls | None:
     """The tool calls the request's tool choice asks for (formats.tool_calls)."""
-    tools = [ToolFormat(t.name, t.parameters, bool(t.strict)) for t in request.tools]
+    tools = [ToolFormat(t.name, t.parameters, bool(t.strict), t.input) for t in request.tools]
     return formats.tool_calls(tools, request.tool_choice, request.parallel_tool_calls)
 
 

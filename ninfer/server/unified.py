@@ -47,6 +47,7 @@ from typing import Any, NamedTuple
 
 from .formats import AskedFormat, answer_format
 from .reasoning import budget_for_effort
+from .reply_grammar import InputGrammar
 from .schemas import ChatRequest, CompletionRequest, SamplingFields
 from .sessions import KeySource
 
@@ -85,12 +86,14 @@ class ChatMessage(NamedTuple):
 
 
 class ToolSpec(NamedTuple):
-    """A function the model may call."""
+    """A function the model may call. `input`: its one string parameter's grammar (a
+    Responses API custom tool's format), which holds every call of it."""
 
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None   # a JSON schema
     strict: bool | None = None
+    input: InputGrammar | None = None
 
     def for_template(self) -> dict[str, Any]:
         """OpenAI's function-tool shape, None fields left out: what templates render."""

@@ -6,6 +6,7 @@ echoes the format and is the SDK's shape."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -153,4 +154,49 @@ def test_bad_formats_are_400s_naming_the_problem_before_anything_is_queued(
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param and words in error["message"]
+    assert queued(live) == before
+
+
+# a custom tool whose input is held to its grammar (written JSON-escaped inside the call);
+# bounded, so a sampled call completes within max_output_tokens
+EDIT_GRAMMAR = r'''
+start: "BEGIN\n" edit{1,2} "END"
+edit: ("+" | "-") LINE LF -> changed
+LINE: /[^\n]{0,10}/
+%import common.LF
+'''
+EDIT_RE = r"BEGIN\n(?:[+-][^\n]{0,10}\n){1,2}END"
+EDIT = {"type": "custom", "name": "edit", "description": "Edits a file.",
+        "format": {"type": "grammar", "syntax": "lark", "definition": EDIT_GRAMMAR}}
+SAY = {"type": "custom", "name": "say",
+       "format": {"type": "grammar", "syntax": "regex", "definition": r'[a-z]{1,6} "[^"\n]{0,6}"'}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "custom", "name": "edit"}],
+                         ids=["required", "named"])
+def test_a_custom_tools_grammar_holds_its_input(live, choice):
+    """Sampled, so a different input each time; each call's input is a sentence of its
+    tool's grammar, quotes, backslashes and control characters included."""
+    seen = 0
+    for _ in range(4):
+        r = create(live, input="Fix the file.", tools=[EDIT, SAY], tool_choice=choice,
+                   reasoning=NO_THINKING, temperature=1.0, max_output_tokens=400,
+                   parallel_tool_calls=False)
+        assert r["status"] == "completed", r
+        [item] = r["output"]
+        assert item["type"] == "custom_tool_call", r
+        pattern = EDIT_RE if item["name"] == "edit" else SAY["format"]["definition"]
+        assert re.fullmatch(pattern, item["input"]), item["input"]
+        seen += item["name"] == "edit"
+    if choice != "required":
+        assert seen == 4
+
+
+def test_a_custom_tools_grammar_that_cannot_be_held_is_a_400(live):
+    before = queued(live)
+    bad = {**EDIT, "format": {**EDIT["format"], "definition": 'start: %json {"type": "object"}'}}
+    r = httpx.post(live.url + "/v1/responses", json={"input": "x", "tools": [bad]}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "tools" and "%json" in error["message"]
     assert queued(live) == before
