@@ -5,6 +5,8 @@ Figures, each from the same run:
   (4,096) and at a ~152K byte-level BPE trained here (standing in for Qwen's 151,643: the
   real size is what the mask's cost grows with), raw (llguidance's bitmask) and as the
   engine takes it (ninfer.engine.constraint.Constraint: the bitmask unpacked into a mask);
+- the same for a custom tool's input held to a Lark grammar of patches, written inside the
+  call's JSON string (quoted_grammar.py: each character a lexeme of its own);
 - decode tokens/s of the embedded model at batch 1 and 8, unconstrained against held to a
   JSON schema, in the same run (greedy; the replies are long arrays of strings, so both
   decode the same number of tokens; alternated, the best of three each). The overhead is
@@ -35,6 +37,7 @@ from ..model.bpe import train_bpe
 from ..model.pools import BlockPool, SlotPool
 from ..model.runtime import cache_dir, open_model
 from ..model.tokenizer import Tokenizer
+from ..server.quoted_grammar import escaped, quoted_lark
 from ..server.reply_grammar import OutputFormat, reply_grammar
 from .report import report
 
@@ -60,6 +63,21 @@ DOCUMENT = {"title": "Rename the cache module and update its imports", "priority
             "done": False, "estimate": 2.5, "tags": ["refactor", "cache", "imports"],
             "steps": [{"n": i, "what": f"update the imports of module number {i} and rerun "
                                        "its tests"} for i in range(1, 9)]}
+# a custom tool's input grammar (an agent's patch tool), and an input of it
+PATCH_GRAMMAR = r'''
+start: "*** Begin Patch" LF file+ "*** End Patch" LF?
+file: "*** Update File: " PATH LF hunk+
+hunk: "@@" CONTEXT? LF line+
+line: (" " | "+" | "-") TEXT LF
+PATH: /[^\n]+/
+CONTEXT: / [^\n]*/
+TEXT: /[^\n]*/
+%import common.LF
+'''
+PATCH = ("*** Begin Patch\n*** Update File: ninfer/cache.py\n@@ def lookup(key):\n"
+         "-    return _CACHE.get(key)\n+    value = _CACHE.get(key)\n"
+         "+    if value is None:\n+        raise KeyError(f\"no entry for {key!r}\")\n"
+         "+    return value\n*** End Patch\n")
 # the decode figure's reply: long enough for any run (an array of strings without end)
 LONG = {"type": "object", "required": ["lines"],
         "properties": {"lines": {"type": "array", "items": {"type": "string"}}}}
@@ -98,18 +116,20 @@ def _python_source():
         yield text
 
 
-def mask_cost(tokenizer: Tokenizer, rows: int, reps: int = 3) -> dict:
-    """Per token of a document of SCHEMA: llguidance's bitmask alone, the engine's mask
+def mask_cost(tokenizer: Tokenizer, rows: int, reps: int = 3, *, grammar: str | None = None,
+              text: str | None = None) -> dict:
+    """Per token of `text` under `grammar` (default: a document of SCHEMA): llguidance's
+    bitmask alone, the engine's mask
     (Constraint.masks: the bitmask unpacked), and what the engine still waits for when it
     is computed while a forward of FORWARD_S runs (prefetched, as the engine does from
     PREFETCH_VOCAB up; a sleep stands in for a GPU step, whose host waits on the device),
     in microseconds; and the compile time."""
     grammars = Grammars.for_tokenizer(tokenizer, rows)
-    grammar = reply_grammar(OutputFormat("json_schema", SCHEMA, True))
+    grammar = grammar or reply_grammar(OutputFormat("json_schema", SCHEMA, True))
     t0 = time.perf_counter()
     grammars.compile(grammar)
     compile_ms = (time.perf_counter() - t0) * 1e3
-    tokens = tokenizer.encode(json.dumps(DOCUMENT))
+    tokens = tokenizer.encode(text or json.dumps(DOCUMENT))
     raw, engine, exposed = [], [], []
     for _ in range(reps):
         matcher = grammars.matcher(grammar)
@@ -190,16 +210,25 @@ def main(json_path: str | None = None, quick: bool = False, tokens: int = 128) -
     results: dict = {}
     steps = []
     embedded = open_model(None, dtype="float32", kv_capacity=16, num_slots=1)
+    patch = {"grammar": json.dumps({"grammars": [{"lark_grammar": quoted_lark(PATCH_GRAMMAR)}]}),
+             "text": escaped(PATCH)}
+    reps = 1 if quick else 3
     steps.append(("mask_embedded", lambda: mask_cost(embedded.tokenizer,
-                                                     embedded.model.vocab_size,
-                                                     reps=1 if quick else 3)))
+                                                     embedded.model.vocab_size, reps)))
+    steps.append(("patch_embedded", lambda: mask_cost(embedded.tokenizer,
+                                                      embedded.model.vocab_size, reps,
+                                                      **patch)))
     if not quick:
-        def big() -> dict:
-            text = big_tokenizer_json()
-            tok = Tokenizer(text, {}, source="stdlib BPE")
-            return {**mask_cost(tok, max(BIG_ROWS, tok.vocab_size)),
+        big_tok: list[Tokenizer] = []
+
+        def big(**kw) -> dict:
+            if not big_tok:
+                big_tok.append(Tokenizer(big_tokenizer_json(), {}, source="stdlib BPE"))
+            tok = big_tok[0]
+            return {**mask_cost(tok, max(BIG_ROWS, tok.vocab_size), **kw),
                     "bpe_tokens": tok.vocab_size}
         steps.append(("mask_152k", big))
+        steps.append(("patch_152k", lambda: big(**patch)))
     decode = Decode()
     for batch in (1, 8):
         n = 32 if quick else tokens
@@ -212,12 +241,18 @@ def main(json_path: str | None = None, quick: bool = False, tokens: int = 128) -
             results[name] = out
     flat = _flatten(results)
     rows = [("mask_us_4k", "JSON mask per token, 4,096 vocab (engine)", "µs", ".1f"),
-            ("bitmask_us_4k", "  of which llguidance's bitmask", "µs", ".1f")]
+            ("bitmask_us_4k", "  of which llguidance's bitmask", "µs", ".1f"),
+            ("patch_mask_us_4k", "patch tool's input mask per token, 4,096 vocab (engine)",
+             "µs", ".1f")]
     if "mask_152k" in results:
         rows += [("mask_us_152k", f"JSON mask per token, {flat['vocab_152k']:,} vocab "
                                   "(engine)", "µs", ".1f"),
                  ("bitmask_us_152k", "  of which llguidance's bitmask", "µs", ".1f"),
-                 ("exposed_us_152k", "  still waited for after a 1 ms forward", "µs", ".1f")]
+                 ("exposed_us_152k", "  still waited for after a 1 ms forward", "µs", ".1f"),
+                 ("patch_mask_us_152k", "patch tool's input mask per token, 152K vocab "
+                                        "(engine)", "µs", ".1f"),
+                 ("patch_exposed_us_152k", "  still waited for after a 1 ms forward", "µs",
+                  ".1f")]
     for b in (1, 8):
         rows += [(f"plain_tok_s_b{b}", f"decode, batch {b}, unconstrained", "tok/s", ",.0f"),
                  (f"json_tok_s_b{b}", f"decode, batch {b}, held to a JSON schema", "tok/s",
@@ -233,13 +268,16 @@ def main(json_path: str | None = None, quick: bool = False, tokens: int = 128) -
 
 def _flatten(r: dict) -> dict:
     out = {"mask_us_4k": r["mask_embedded"]["engine_mask_us"],
-           "bitmask_us_4k": r["mask_embedded"]["bitmask_us"]}
+           "bitmask_us_4k": r["mask_embedded"]["bitmask_us"],
+           "patch_mask_us_4k": r["patch_embedded"]["engine_mask_us"]}
     if "mask_152k" in r:
         out.update(mask_us_152k=r["mask_152k"]["engine_mask_us"],
                    bitmask_us_152k=r["mask_152k"]["bitmask_us"],
                    exposed_us_152k=r["mask_152k"]["exposed_behind_forward_us"],
                    vocab_152k=r["mask_152k"]["vocab"],
-                   compile_ms_152k=r["mask_152k"]["compile_ms"])
+                   compile_ms_152k=r["mask_152k"]["compile_ms"],
+                   patch_mask_us_152k=r["patch_152k"]["engine_mask_us"],
+                   patch_exposed_us_152k=r["patch_152k"]["exposed_behind_forward_us"])
     for b in (1, 8):
         plain, held = r[f"decode_b{b}_plain"], r[f"decode_b{b}_json"]
         out.update({f"plain_tok_s_b{b}": plain["tok_s"], f"json_tok_s_b{b}": held["tok_s"],

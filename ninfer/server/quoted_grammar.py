@@ -60,7 +60,13 @@ def quoted_regex(pattern: str, *, dotall: bool = False, verbose: bool = False) -
     """A Lark rule expression of the JSON escapings of `pattern`'s matches. Each character
     is a lexeme of its own (a literal run one string), the regex's structure is the rule's:
     a regex terminal would be lexed greedily, and an escaped character that continues it
-    (`\\\\`) and one that ends it for the next (`\\n`) share their first byte."""
+    (`\\\\`) and one that ends it for the next (`\\n`) share their first byte.
+
+    But a run of one class at the regex's end (`.*`, `[^\\n]+`: what patch and line
+    grammars are made of) has its plain characters as one lexeme, each escape as one: a
+    lexeme per character costs the matcher its time per token many times over on a large
+    vocabulary. That run is greedy, as the regex's terminal would have been: it ends where
+    its class does or an escape starts."""
     flags = C.SRE_FLAG_VERBOSE if verbose else 0
     try:
         parsed = sre.parse(pattern, flags)
@@ -68,24 +74,26 @@ def quoted_regex(pattern: str, *, dotall: bool = False, verbose: bool = False) -
         raise ValueError(f"the regex {pattern!r} does not parse: {e}") from None
     if parsed.state.flags & C.SRE_FLAG_IGNORECASE:
         raise ValueError("case-insensitive regexes are not supported in a tool's grammar")
-    expression = _sequence(parsed, dotall or bool(parsed.state.flags & C.SRE_FLAG_DOTALL))
+    expression = _sequence(parsed, dotall or bool(parsed.state.flags & C.SRE_FLAG_DOTALL),
+                           tail=True)
     if not expression:
         raise ValueError(f"the regex {pattern!r} matches only the empty string")
     return expression
 
 
-def _sequence(items, dotall: bool) -> str:
-    """The items in a row ("" when they match only the empty string)."""
+def _sequence(items, dotall: bool, tail: bool = False) -> str:
+    """The items in a row ("" when they match only the empty string). `tail`: nothing of the
+    regex follows them."""
     parts: list[str] = []
     run = ""
-    for op, av in items:
+    for i, (op, av) in enumerate(items):
         if op is C.LITERAL:
             run += chr(av)
             continue
         if run:
             parts.append(json.dumps(escaped(run), ensure_ascii=False))
             run = ""
-        part = _item(op, av, dotall)
+        part = _item(op, av, dotall, tail and i == len(items) - 1)
         if part:
             parts.append(part)
     if run:
@@ -93,15 +101,12 @@ def _sequence(items, dotall: bool) -> str:
     return " ".join(parts)
 
 
-def _item(op, av, dotall: bool) -> str:
-    if op is C.NOT_LITERAL:
-        return _charset([(C.NEGATE, None), (C.LITERAL, av)])
-    if op is C.ANY:
-        return _charset([] if dotall else [(C.NEGATE, None), (C.LITERAL, 10)], everything=dotall)
-    if op is C.IN:
-        return _charset(av)
+def _item(op, av, dotall: bool, tail: bool) -> str:
+    if op in (C.NOT_LITERAL, C.ANY, C.IN):
+        plain, escapes = _charset(op, av, dotall)
+        return f"/{plain}|{escapes}/" if escapes else f"/{plain}/"
     if op is C.BRANCH:
-        branches = [_sequence(b, dotall) for b in av[1]]
+        branches = [_sequence(b, dotall, tail) for b in av[1]]
         alternatives = [b for b in branches if b]
         if not alternatives:
             return ""
@@ -112,10 +117,17 @@ def _item(op, av, dotall: bool) -> str:
         if add & C.SRE_FLAG_IGNORECASE:
             raise ValueError("case-insensitive groups are not supported in a tool's grammar")
         inner = (dotall or bool(add & C.SRE_FLAG_DOTALL)) and not remove & C.SRE_FLAG_DOTALL
-        body = _sequence(body, inner)
+        body = _sequence(body, inner, tail)
         return f"({body})" if body else ""
     if op in (C.MAX_REPEAT, C.MIN_REPEAT, C.POSSESSIVE_REPEAT):
         low, high, body = av
+        if tail and low <= 1 and high == C.MAXREPEAT and len(body) == 1 and \
+                body[0][0] in (C.NOT_LITERAL, C.ANY, C.IN):
+            # a run of one class at the end (see quoted_regex): its plain characters one
+            # greedy lexeme (none is a backslash: it ends where an escape starts)
+            plain, escapes = _charset(*body[0], dotall)
+            run = f"/({plain})+/" + (f" | /{escapes}/" if escapes else "")
+            return f"({run})" + ("*" if low == 0 else "+")
         body = _sequence(body, dotall)
         if not body or high == 0:
             return ""
@@ -124,7 +136,7 @@ def _item(op, av, dotall: bool) -> str:
             f"{{{low}}}" if low == high else f"{{{low},{high}}}")
         return f"({body}){times}"
     if op is C.ATOMIC_GROUP:
-        body = _sequence(av, dotall)
+        body = _sequence(av, dotall, tail)
         return f"({body})" if body else ""
     raise ValueError(f"{_NAMES.get(op, str(op).lower())} are not supported in a tool's "
                      f"grammar's regexes")
@@ -137,22 +149,31 @@ _CATEGORIES = {C.CATEGORY_DIGIT: r"\d", C.CATEGORY_NOT_DIGIT: r"\D", C.CATEGORY_
 _SHORT = {'"': '"', "\\": "\\", "\b": "b", "\f": "f", "\n": "n", "\r": "r", "\t": "t"}
 
 
-def _charset(items, everything: bool = False) -> str:
-    """A terminal of one escaped character of the class `items` (sre's IN list)."""
+def _charset(op, av, dotall: bool) -> tuple[str, str | None]:
+    """One character of a class (sre's NOT_LITERAL, ANY or IN item) as the regexes of its
+    escaping: the plain characters (a class, possibly empty), and the escapes (None when
+    the class holds no character JSON escapes)."""
+    if op is C.NOT_LITERAL:
+        items = [(C.NEGATE, None), (C.LITERAL, av)]
+    elif op is C.ANY:
+        items = [] if dotall else [(C.NEGATE, None), (C.LITERAL, 10)]
+    else:
+        items = av
+    everything = op is C.ANY and dotall
     negated = bool(items) and items[0][0] is C.NEGATE
     body_py, body_rs = [], []
-    for op, av in items[1:] if negated else items:
-        if op is C.LITERAL:
-            body_py.append(re.escape(chr(av)))
-            body_rs.append(f"\\x{{{av:x}}}")
-        elif op is C.RANGE:
-            body_py.append(f"{re.escape(chr(av[0]))}-{re.escape(chr(av[1]))}")
-            body_rs.append(f"\\x{{{av[0]:x}}}-\\x{{{av[1]:x}}}")
-        elif op is C.CATEGORY and av in _CATEGORIES:
-            body_py.append(_CATEGORIES[av])
-            body_rs.append(_CATEGORIES[av])
+    for item, value in items[1:] if negated else items:
+        if item is C.LITERAL:
+            body_py.append(re.escape(chr(value)))
+            body_rs.append(f"\\x{{{value:x}}}")
+        elif item is C.RANGE:
+            body_py.append(f"{re.escape(chr(value[0]))}-{re.escape(chr(value[1]))}")
+            body_rs.append(f"\\x{{{value[0]:x}}}-\\x{{{value[1]:x}}}")
+        elif item is C.CATEGORY and value in _CATEGORIES:
+            body_py.append(_CATEGORIES[value])
+            body_rs.append(_CATEGORIES[value])
         else:
-            raise ValueError(f"the character class item {op} is not supported in a tool's "
+            raise ValueError(f"the character class item {item} is not supported in a tool's "
                              f"grammar")
     if everything:
         specials = _SPECIAL
@@ -166,8 +187,7 @@ def _charset(items, everything: bool = False) -> str:
     long = [f"{ord(c):02x}" for c in specials if c not in _SHORT]
     escapes = ([f"[{re.escape(short)}]"] if short else []) + \
         (["u00(?:" + "|".join(long) + ")"] if long else [])
-    alternatives = [plain] + ([r"\\(?:" + "|".join(escapes) + ")"] if escapes else [])
-    return "/" + "|".join(alternatives) + "/"
+    return plain, (r"\\(?:" + "|".join(escapes) + ")") if escapes else None
 
 
 # --- Lark grammars -------------------------------------------------------------------------

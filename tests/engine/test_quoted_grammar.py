@@ -120,3 +120,23 @@ def test_a_regex_input_grammar():
     assert accepts(grammar, call('say "hi there"'))
     assert not accepts(grammar, call('say "hi\nthere"'))
     assert not accepts(grammar, call("say hi"))
+
+
+# lines of any text (runs of one class at each regex's end: one lexeme a run, not one a
+# character; still exactly the escaped sentences)
+LINES = r'''
+start: "<<" NAME LF line+ ">>"
+line: ("+" | " ") TEXT LF
+NAME: /[^\n]+/
+TEXT: /.*/
+%import common.LF
+'''
+LINES_RE = r"<<[^\n]+\n(?:[+ ][^\n]*\n)+>>"
+
+
+@given(name=st.text(ALPHABET, max_size=6),
+       lines=st.lists(st.tuples(st.sampled_from("+ -"), st.text(ALPHABET, max_size=10)),
+                      max_size=3))
+def test_runs_at_a_regexs_end_are_held_exactly(name, lines):
+    text = "<<" + name + "\n" + "".join(m + t + "\n" for m, t in lines) + ">>"
+    assert accepts(lark(quoted_lark(LINES)), escaped(text)) == bool(re.fullmatch(LINES_RE, text))
