@@ -18,6 +18,7 @@ class EngineConfig:
     prefill_chunk: int = 16
     spec: str = "none"               # none | mtp | ngram
     draft_tokens: int = 3
+    adaptive_drafting: bool = True   # false: always draft_tokens (to measure a drafter)
     max_endpoints: int = 16
     endpoints_per_session: int = 4   # private endpoints (branches) one session key holds
     max_context: int = 4096

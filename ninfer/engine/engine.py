@@ -220,7 +220,7 @@ class Engine:
         """`adopter` takes over the detached prefill's lane and captures in place."""
         self.scheduler.withdraw(adopter)
         self.live[adopter.id] = self.exits.adopt(
-            detached, adopter, AdaptiveDraft(self.config.draft_tokens), self._choice(adopter))
+            detached, adopter, self._drafting(), self._choice(adopter))
         machine.fire(adopter, "start")
 
     def _choice(self, request: Request) -> Choice:
@@ -233,7 +233,7 @@ class Engine:
             if not self._free_slot():
                 return False
             live = Live(request, self.runner.new_lane(),
-                        AdaptiveDraft(self.config.draft_tokens), self._choice(request))
+                        self._drafting(), self._choice(request))
             request.plan = planner.plan(request.sequence, request.sequence_hashes, request.tenant,
                                         request.session, self.store, self.mode, self._usable)
             try:
@@ -307,6 +307,9 @@ class Engine:
             machine.fire(live.request, "prefilled", first_token=done.first_token)
             if done.stop is not None:
                 self._stop(live.request, done.stop)
+
+    def _drafting(self) -> AdaptiveDraft:
+        return AdaptiveDraft(self.config.draft_tokens, adaptive=self.config.adaptive_drafting)
 
     def _draft(self, live: Live) -> None:
         if not self.rounds.draft(live):

@@ -47,20 +47,26 @@ class AdaptiveDraft:
 
     Drafting k tokens costs a verify of k+1 positions; when drafts are rejected that is
     waste. The length follows an exponential average of the accepted fraction; below
-    `pause_below` drafting pauses for `pause_rounds` plain steps, then probes with one
-    draft token, so a drafter that never agrees costs one probe in `pause_rounds + 1`
-    rounds."""
+    `pause_below` drafting pauses for a few plain steps, then probes with one draft token.
+    The pause starts at `pause_rounds[0]` and doubles while probes fail, up to
+    `pause_rounds[1]`: a drafter that never agrees costs one probe in that many rounds, and
+    one that missed a few in a row (the hard part of a text) is back within a few steps.
+    `adaptive` false: always `max_tokens` (a drafter's acceptance measured as it is)."""
 
     def __init__(self, max_tokens: int, *, alpha: float = 0.5, pause_below: float = 0.15,
-                 pause_rounds: int = 32) -> None:
+                 pause_rounds: tuple[int, int] = (4, 32), adaptive: bool = True) -> None:
         self.max_tokens, self.alpha = max_tokens, alpha
         self.pause_below, self.pause_rounds = pause_below, pause_rounds
+        self.adaptive = adaptive
         self.rate = 0.6          # optimistic start: draft fully at first
         self.paused = 0
+        self.pause = pause_rounds[0]   # the next pause's length
 
     def next_k(self) -> int:
         if self.max_tokens <= 0:
             return 0
+        if not self.adaptive:
+            return self.max_tokens
         if self.paused > 0:
             self.paused -= 1
             return 1 if self.paused == 0 else 0
@@ -75,5 +81,10 @@ class AdaptiveDraft:
         if drafted <= 0:
             return
         self.rate = (1 - self.alpha) * self.rate + self.alpha * (accepted / drafted)
+        if not self.adaptive:
+            return
         if self.rate < self.pause_below:
-            self.paused = self.pause_rounds
+            self.paused = self.pause
+            self.pause = min(2 * self.pause, self.pause_rounds[1])
+        else:
+            self.pause = self.pause_rounds[0]

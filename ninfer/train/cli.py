@@ -62,6 +62,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                      help=f"tokens per window (default {defaults.seq_len})")
     run.add_argument("--lr", type=float, default=defaults.lr,
                      help=f"peak learning rate (default {defaults.lr})")
+    run.add_argument("--mtp-weight", type=float, default=defaults.mtp_weight,
+                     help="weight of the MTP head's mean loss beside the main loss "
+                          f"(default {defaults.mtp_weight})")
+    run.add_argument("--weight-decay", type=float, default=defaults.weight_decay,
+                     help=f"AdamW's, on matrices (default {defaults.weight_decay})")
     run.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every,
                      help="also write <out stem>.step<N>.ninfer every N steps (0: never; "
                           f"default {defaults.checkpoint_every})")
@@ -116,7 +121,8 @@ def _run(args: argparse.Namespace) -> int:
     settings = TrainSettings()
     settings = dataclasses.replace(settings, steps=args.steps or settings.steps, seed=args.seed,
                                    batch=args.batch, seq_len=args.seq_len, lr=args.lr,
-                                   checkpoint_every=args.checkpoint_every)
+                                   checkpoint_every=args.checkpoint_every,
+                                   mtp_weight=args.mtp_weight, weight_decay=args.weight_decay)
     report = train(Corpus.open(args.corpus), args.out, settings=settings, device=args.device,
                    minutes=args.minutes, report_path=args.report,
                    config_overrides=smoke_shape() if args.shape == "smoke" else None,

@@ -46,7 +46,7 @@ VOCAB_SIZE = 8192  # the BPE's tokens and the added ones; the model's embedding 
 EVAL_PROMPTS = 200
 CONTINUATIONS = 16
 CONTINUATION_CHARS = 1500
-TOOL_EXAMPLES_PER_FUNCTION = 2
+TOOL_EXAMPLES_PER_FUNCTION = 4
 FILES = ("tokenizer.json", "train.bin", "heldout.bin", "heldout.json")
 
 
@@ -108,7 +108,7 @@ def build(out_dir: str | Path, *, modules: Sequence[str] | None = None, seed: in
     train_files = [f for f in files if f.split == "train"]
     held_files = [f for f in files if f.split == "held_out"]
     progress("making chat examples")
-    train_fns = [fn for f in train_files for fn in functions(f)]
+    train_fns = [fn for f in train_files if not f.suite for fn in functions(f)]
     held_fns = [fn for f in held_files for fn in functions(f)]
     template = trained_template()
     chats = [ex.docstring_example(fn, rng) for fn in train_fns if ex.answerable(fn)]

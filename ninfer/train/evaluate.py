@@ -13,8 +13,9 @@ modules, greedy, without constrained decoding.
   schema does not list, each of its JSON type. Also the share calling the requested tool.
 - drafting: held-out code continuations (raw text, no chat template) decoded at batch 1 by
   the engine, as served: tokens per verify with `--spec mtp` at draft lengths 1, 2, 3 and
-  with n-gram drafting at 3 (drafting adaptive, as the server runs it: the draft length
-  follows acceptance, up to k), and the decode speed-up of `mtp` at 3 over `none`.
+  with n-gram drafting at 3, each length fixed (what the drafter is worth: every round
+  drafts k); then `mtp` at up to 3 with adaptive drafting, as the server runs it (the
+  length follows acceptance), and its decode speed-up over `none`.
 
 Generation goes through the engine (`ninfer.engine`) over `ninfer.model.runtime`'s model,
 the serving path; only the bits per byte read the model's forward directly.
@@ -46,7 +47,7 @@ PARTS = ("bpb", "docstrings", "tools", "drafting")
 MAX_TOKENS = 256
 CONTINUATION_PROMPT = 256   # tokens of each continuation prompt
 CONTINUATION_TOKENS = 128   # tokens decoded after it
-DRAFTS = (("mtp", 1), ("mtp", 2), ("mtp", 3), ("ngram", 3))
+DRAFTS = (("mtp", 1), ("mtp", 2), ("mtp", 3), ("ngram", 3))   # at fixed lengths
 
 
 # --- bits per byte ---------------------------------------------------------------------------
@@ -86,9 +87,9 @@ class Generated(NamedTuple):
 
 
 def _engine(om: OpenModel, *, spec: str = "none", draft_tokens: int = 3,
-            concurrency: int = 1) -> Engine:
+            concurrency: int = 1, adaptive: bool = True) -> Engine:
     config = EngineConfig(max_concurrency=concurrency, prefill_chunk=512, spec=spec,
-                          draft_tokens=draft_tokens, max_context=8192, max_endpoints=4,
+                          draft_tokens=draft_tokens, adaptive_drafting=adaptive, max_context=8192, max_endpoints=4,
                           auto_anchors=0)
     engine = Engine(om.model, config, blocks=BlockPool(om.blocks.num_blocks,
                                                        om.blocks.block_size),
@@ -225,12 +226,12 @@ def tool_share(om: OpenModel, items: Sequence[ex.Example], *, concurrency: int =
 # --- drafting --------------------------------------------------------------------------------
 
 def _decode_run(om: OpenModel, prompts: Sequence[Sequence[int]], spec: str, k: int,
-                max_tokens: int) -> dict:
+                max_tokens: int, adaptive: bool = False) -> dict:
     """Each prompt decoded alone (batch 1) under `spec`: verify rounds, tokens, decode time."""
     rounds = tokens = drafted = accepted = 0
     seconds = 0.0
     for i, prompt in enumerate(prompts):
-        engine = _engine(om, spec=spec, draft_tokens=k)
+        engine = _engine(om, spec=spec, draft_tokens=k, adaptive=adaptive)
         rid = f"draft-{i}"
         engine.submit(Submit(rid, tuple(prompt), None, "eval",
                              SamplingParams(max_tokens=max_tokens)))
@@ -246,7 +247,7 @@ def _decode_run(om: OpenModel, prompts: Sequence[Sequence[int]], spec: str, k: i
         tokens += sum(e.committed for e in commits)
         drafted += sum(e.drafted for e in commits)
         accepted += sum(e.accepted for e in commits)
-    return {"spec": spec, "k": k, "verifies": rounds, "tokens": tokens,
+    return {"spec": spec, "k": k, "adaptive": adaptive, "verifies": rounds, "tokens": tokens,
             "tokens_per_verify": tokens / max(rounds, 1), "drafted": drafted,
             "accepted": accepted, "acceptance": accepted / max(drafted, 1),
             "decode_seconds": seconds, "tok_s": tokens / max(seconds, 1e-9)}
@@ -257,11 +258,13 @@ def drafting(om: OpenModel, prompts: Sequence[str], *,
     ids = [om.tokenizer.encode(p)[:CONTINUATION_PROMPT] for p in prompts]
     runs = [("none", 0), *DRAFTS]
     results = {}
-    for spec, k in tqdm(runs, desc="drafting", disable=not progress):
-        results[f"{spec}{k if k else ''}"] = _decode_run(om, ids, spec, k, max_tokens)
-    none, mtp = results["none"], results["mtp3"]
+    runs.append(("mtp", 3, True))
+    for spec, k, *adaptive in tqdm(runs, desc="drafting", disable=not progress):
+        name = f"{spec}{k if k else ''}{'_adaptive' if adaptive else ''}"
+        results[name] = _decode_run(om, ids, spec, k, max_tokens, bool(adaptive))
+    none, mtp = results["none"], results["mtp3_adaptive"]
     return {"prompts": len(ids), "runs": results,
-            "mtp3_speedup_over_none": mtp["tok_s"] / max(none["tok_s"], 1e-9)}
+            "mtp_adaptive_speedup_over_none": mtp["tok_s"] / max(none["tok_s"], 1e-9)}
 
 
 # --- all of it -------------------------------------------------------------------------------

@@ -34,3 +34,32 @@ def test_adaptive_drafting_keeps_full_length_when_drafts_agree():
         k = a.next_k()
         a.observe(k, k)
     assert a.next_k() == 4
+
+
+def test_adaptive_drafting_comes_back_soon_after_a_few_misses():
+    """A drafter that agrees but missed three in a row (a hard stretch) drafts again
+    within a few rounds; one that keeps missing waits longer each time."""
+    a = AdaptiveDraft(3)
+    for _ in range(3):
+        a.observe(a.next_k(), 0)
+    waited = 0
+    while a.next_k() == 0:
+        waited += 1
+    assert waited <= 4
+    a.observe(1, 1)
+    assert a.next_k() > 0
+    pauses = []
+    for _ in range(4):
+        a.observe(max(a.next_k(), 1), 0)
+        n = 0
+        while a.next_k() == 0:
+            n += 1
+        pauses.append(n)
+    assert pauses == sorted(pauses) and pauses[-1] > pauses[0]
+
+
+def test_fixed_drafting_always_drafts_its_length():
+    a = AdaptiveDraft(3, adaptive=False)
+    for _ in range(10):
+        assert a.next_k() == 3
+        a.observe(3, 0)

@@ -92,8 +92,13 @@ def test_every_part_runs_on_a_slice(model, slice_corpus):
     assert figures["docstrings"]["prompts"] == 2 and figures["tools"]["prompts"] == 2
     assert 0 <= figures["tools"]["share"] <= 1
     runs = figures["drafting"]["runs"]
-    assert set(runs) == {"none", "mtp1", "mtp2", "mtp3", "ngram3"}
+    assert set(runs) == {"none", "mtp1", "mtp2", "mtp3", "ngram3", "mtp3_adaptive"}
     # each continuation decodes its 24 tokens after the prefill's first, however drafted
     assert all(r["tokens"] == 2 * (24 - 1) for r in runs.values())
     assert runs["none"]["tokens_per_verify"] == 1.0 and runs["none"]["drafted"] == 0
-    assert runs["mtp3"]["drafted"] > 0
+    # fixed lengths: every round drafts k (the random model's head never agrees: one token
+    # a round) but the last three of each continuation (1 + 2 + 3 short of k), whatever
+    # the acceptance; adaptive drafting pauses
+    fixed = runs["mtp3"]
+    assert fixed["drafted"] >= 3 * fixed["verifies"] - 2 * 6 > runs["mtp3_adaptive"]["drafted"]
+    assert not runs["mtp3"]["adaptive"] and runs["mtp3_adaptive"]["adaptive"]
