@@ -9,6 +9,7 @@ import os
 import sys
 
 from .bench.agent import add_bench_parser as add_bench_agent_parser
+from .bench.drafting import add_bench_parser as add_bench_drafting_parser
 from .bench.serve import add_bench_parser as add_bench_serve_parser
 from .server.serve import add_serve_parser
 from .tools.journal import add_journal_parser
@@ -156,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     journal_bench.set_defaults(func=_bench_journal)
     add_bench_serve_parser(bench_sub)
     add_bench_agent_parser(bench_sub)
+    add_bench_drafting_parser(bench_sub)
     return parser
 
 
