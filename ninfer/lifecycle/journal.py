@@ -8,6 +8,7 @@ as every other reader does."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -64,8 +65,10 @@ class Journal:
     _template: sqlite3.Connection | None = None
 
     def __init__(self, conn: sqlite3.Connection, path: str, torn_tail_bytes: int = 0, *,
-                 synchronous: str = "NORMAL", max_bytes: int | None = None) -> None:
+                 synchronous: str = "NORMAL", max_bytes: int | None = None,
+                 lock: int | None = None) -> None:
         self.path = path
+        self._lock = lock     # the writer's lock file (see `open`), held until `close`
         self.torn_tail_bytes = torn_tail_bytes
         self.synchronous, self.max_bytes = synchronous, max_bytes
         self._conn = conn
@@ -75,8 +78,13 @@ class Journal:
 
     @classmethod
     def open(cls, path: str | Path, *, identity: dict[str, Any] | None = None,
-             synchronous: str = "NORMAL", max_bytes: int | None = None) -> Journal:
+             synchronous: str = "NORMAL", max_bytes: int | None = None,
+             _lock: int | None = None) -> Journal:
         """Open or create the journal at `path` (WAL mode; created with file mode 0600).
+
+        One writer at a time: it holds an exclusive lock on `<path>.lock` until it closes,
+        and a second writer (another `ninfer serve` on the same journal) is a JournalError
+        naming the process that holds it. Readers need no lock.
 
         `identity` items (model identity, server options) are stored in `meta`. `max_bytes`:
         the size past which the owner should `rotate` (see `full`). A torn WAL tail
@@ -91,9 +99,14 @@ class Journal:
             os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
         except OSError as e:
             raise JournalError(f"journal {path}: {e.strerror or e}") from e
-        tail = inspect_file(path)  # before SQLite's recovery erases a torn WAL tail
-        with sqlite_errors(path, "opening"):
-            conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        lock = _lock if _lock is not None else _writer_lock(path)
+        try:
+            tail = inspect_file(path)  # before SQLite's recovery erases a torn WAL tail
+            with sqlite_errors(path, "opening"):
+                conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        except BaseException:
+            os.close(lock)
+            raise
         try:
             with sqlite_errors(path, "opening"):
                 mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
@@ -102,9 +115,10 @@ class Journal:
                 conn.execute(f"PRAGMA synchronous={sync}")
                 _prepare(sqlite_utils.Database(conn), path, identity)
             journal = cls(conn, str(path), tail.torn_bytes, synchronous=sync,
-                          max_bytes=max_bytes)
+                          max_bytes=max_bytes, lock=lock)
         except BaseException:
             conn.close()
+            os.close(lock)
             raise
         warn_torn(path, tail)
         return journal
@@ -208,6 +222,7 @@ class Journal:
         first, last = self.first_seq, self._last_seq
         path = Path(self.path)
         rotated = path.with_name(f"{path.stem}.{first}-{last}{path.suffix}")
+        lock, self._lock = self._lock, None   # kept across: no other writer gets in between
         self.close()
         try:
             os.replace(path, rotated)
@@ -215,18 +230,24 @@ class Journal:
                 if Path(f"{path}{suffix}").exists():
                     os.replace(f"{path}{suffix}", f"{rotated}{suffix}")
         except OSError as e:
+            if lock is not None:
+                os.close(lock)
             raise JournalError(f"journal {path}: rotating to {rotated}: {e}") from e
         log.info("journal %s: rotated seqs %d..%d to %s", path, first, last, rotated.name)
         return Journal.open(path, identity=meta | {"previous": rotated.name, "first_seq": last + 1},
-                            synchronous=self.synchronous, max_bytes=self.max_bytes)
+                            synchronous=self.synchronous, max_bytes=self.max_bytes, _lock=lock)
 
     def count(self) -> int:
         """The number of events in the journal."""
         return self._reader.count()
 
     def close(self) -> None:
-        """Close the connection (idempotent); SQLite checkpoints the WAL on the last close."""
+        """Close the connection (idempotent) and let the writer's lock go; SQLite checkpoints
+        the WAL on the last close."""
         self._conn.close()
+        if self._lock is not None:
+            os.close(self._lock)   # closing the descriptor releases its lock
+            self._lock = None
 
     def __enter__(self) -> Journal:
         return self
@@ -262,3 +283,23 @@ def _prepare(db: sqlite_utils.Database, where: str | Path, identity: dict[str, A
         with db.atomic():
             db["meta"].upsert_all([{"key": k, "value": json.dumps(v)} for k, v in identity.items()],
                                   pk="key")
+
+
+def _writer_lock(path: Path) -> int:
+    """An exclusive lock on `<path>.lock` (its descriptor), with this process's pid written
+    in it; a JournalError naming the holder when another writer has it."""
+    lock_path = Path(f"{path}.lock")
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as e:
+        raise JournalError(f"journal {path}: its lock file: {e.strerror or e}") from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise JournalError(f"journal {path}: in use by another writer (pid {holder}); give "
+                           "each server its own --journal") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd

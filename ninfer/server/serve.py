@@ -7,10 +7,13 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..lifecycle.journalfile import JournalError
 
 log = logging.getLogger("ninfer.server")
 
@@ -318,8 +321,10 @@ def aliases(pairs: list[tuple[str, str]], model_id: str) -> tuple[str, ...]:
     return tuple(name for name, _ in pairs)
 
 
-def build(args: argparse.Namespace):
-    """The app, with loading and warm-up started in the background by its lifespan."""
+def build(args: argparse.Namespace, *, exit_on_failure: bool = False):
+    """The app, with loading and warm-up started in the background by its lifespan.
+    `exit_on_failure`: a failed load stops the process's server (SIGTERM to itself), so
+    `ninfer serve` exits non-zero for a supervisor to see, not answering 503 for ever."""
     from ..model.runtime import DEFAULT_MODEL
     from .app import Server, create_app
 
@@ -340,9 +345,14 @@ def build(args: argparse.Namespace):
                 log.info("recalled %d conversations from durable endpoints", recalled)
             server.ready = True
             log.info("ready: %s on %s:%s", server.settings.model_id, args.host, args.port)
+        except JournalError as exc:   # a journal in use, damaged, foreign: said in full
+            log.critical("loading failed: %s", exc)
+            server.failed = True
         except Exception:
             log.critical("loading failed", exc_info=True)
             server.failed = True
+        if server.failed and exit_on_failure:
+            os.kill(os.getpid(), signal.SIGTERM)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -364,10 +374,10 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
     logging.getLogger("ninfer").setLevel(args.log_level.upper())
     logging.getLogger("transitions").setLevel(logging.WARNING)  # one line per trigger is noise
-    app, _ = build(args)
+    app, server = build(args, exit_on_failure=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                 access_log=False, timeout_graceful_shutdown=5)
-    return 0
+    return 1 if server.failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,8 +89,8 @@ class Generated(NamedTuple):
 def _engine(om: OpenModel, *, spec: str = "none", draft_tokens: int = 3,
             concurrency: int = 1, adaptive: bool = True) -> Engine:
     config = EngineConfig(max_concurrency=concurrency, prefill_chunk=512, spec=spec,
-                          draft_tokens=draft_tokens, adaptive_drafting=adaptive, max_context=8192, max_endpoints=4,
-                          auto_anchors=0)
+                          draft_tokens=draft_tokens, adaptive_drafting=adaptive,
+                          max_context=8192, max_endpoints=4, auto_anchors=0)
     engine = Engine(om.model, config, blocks=BlockPool(om.blocks.num_blocks,
                                                        om.blocks.block_size),
                     slots=SlotPool(om.slots.num_slots))

@@ -407,3 +407,18 @@ def test_a_torn_frame_checksum_is_a_torn_tail(tmp_path, caplog):
         assert j2.torn_tail_bytes == sizes[2] - sizes[1]
         assert j2.last_seq == 6
     assert "discarded" in caplog.text
+
+
+def test_one_writer_at_a_time(tmp_path):
+    """A second writer on the same journal (another `ninfer serve` pointed at it) is refused
+    by name, before it writes anything; the lock goes with the first writer's close, and
+    stays held across a rotation."""
+    path = tmp_path / "journal.db"
+    first = Journal.open(path)
+    with pytest.raises(JournalError, match=f"in use by another writer \\(pid {os.getpid()}\\)"):
+        Journal.open(path)
+    first = first.rotate()
+    with pytest.raises(JournalError, match="in use"):
+        Journal.open(path)
+    first.close()
+    Journal.open(path).close()

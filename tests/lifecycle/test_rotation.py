@@ -14,6 +14,7 @@ from ninfer.engine.engine import EngineConfig
 from ninfer.lifecycle import events as ev
 from ninfer.lifecycle.checks import JournalChecker
 from ninfer.lifecycle.journal import Journal, chain
+from ninfer.lifecycle.reader import JournalReader
 from ninfer.lifecycle.store import ContinuationStore, InvariantViolation
 from ninfer.sim.harness import Harness
 from ninfer.tools.journal import main as journal_main
@@ -60,9 +61,9 @@ def test_files_chain_gap_free_and_each_opens_with_a_snapshot(rotating):
     files = _files(path)
     assert len(files) >= 3, "the load should rotate at least twice"
     expected_first, previous = 1, None
-    for f in files:
-        with Journal.open(f) as j:
-            events = list(j.read())
+    for f in files:   # read-only: the current file's writer is still at work
+        with JournalReader.open(f) as j:
+            events = list(j.events())
         assert events[0].seq == expected_first
         if previous is not None:
             assert isinstance(events[0], ev.StoreSnapshotted)
@@ -72,8 +73,8 @@ def test_files_chain_gap_free_and_each_opens_with_a_snapshot(rotating):
     # checking the whole chain in order verifies every snapshot against the fold before it
     checker = JournalChecker()
     for f in files:
-        with Journal.open(f) as j:
-            checker.feed_all(j.read())
+        with JournalReader.open(f) as j:
+            checker.feed_all(j.events())
 
 
 def test_the_current_file_alone_replays_and_checks(rotating):
@@ -81,11 +82,11 @@ def test_the_current_file_alone_replays_and_checks(rotating):
     running = _conversation_load(h, 6)
     h.run()
     h.check()
-    with Journal.open(path) as j:
-        assert ContinuationStore.from_journal(j) == h.engine.store
-        first = next(iter(j.read()))
+    with JournalReader.open(path) as j:
+        assert ContinuationStore.replay(j.events()) == h.engine.store
+        first = next(iter(j.events()))
         assert isinstance(first, ev.StoreSnapshotted) and first.seq > 1
-        JournalChecker().feed_all(j.read())
+        JournalChecker().feed_all(j.events())
     assert h.request(running).state == "Finished"
     assert journal_main(["journal", "check", str(path)]) == 0
 
@@ -93,8 +94,8 @@ def test_the_current_file_alone_replays_and_checks(rotating):
 def test_a_restart_on_a_rotated_file_recovers_from_its_snapshot(rotating):
     h, path = rotating
     running = _conversation_load(h, 6)
-    with Journal.open(path) as j:
-        snapshot = next(iter(j.read()))
+    with JournalReader.open(path) as j:
+        snapshot = next(iter(j.events()))
     assert len(snapshot.store["endpoints"]) >= 2, "the snapshot carries endpoints"
     h.restart(keep_tensors=True)
     h.check()
