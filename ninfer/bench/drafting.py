@@ -16,7 +16,6 @@ must not change a token.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import tempfile
@@ -47,15 +46,14 @@ def _stream(url: str, prompt: str, tokens: int) -> tuple[str, int, float]:
     """One streamed greedy completion: its text, tokens, and seconds from the first token
     to the last."""
     import httpx
+
+    from .serve import sse_chunks
     text, first, usage = [], None, None
     body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
         r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        for chunk in sse_chunks(r.iter_lines()):
             if chunk.get("usage"):
                 usage = chunk["usage"]
             for choice in chunk.get("choices") or ():

@@ -55,6 +55,13 @@ def _prompt(n_lines: int, tag: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
+def sse_chunks(lines):
+    """The JSON chunks of an OpenAI-style event stream's `data:` lines, to `[DONE]`."""
+    for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
 def _stream(url: str, body: dict, headers: dict | None = None) -> dict:
     """One streaming request: time to first content chunk, total time, tokens."""
     import httpx
@@ -64,10 +71,7 @@ def _stream(url: str, body: dict, headers: dict | None = None) -> dict:
     with httpx.stream("POST", url + "/v1/chat/completions", json={
             **body, "stream": True, "stream_options": {"include_usage": True}},
             headers=headers or {}, timeout=600) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        for chunk in sse_chunks(r.iter_lines()):
             if chunk.get("usage"):
                 usage = chunk["usage"]
             elif first is None and chunk["choices"] and "role" not in chunk["choices"][0][
