@@ -13,7 +13,8 @@ Escaping is a prefix code (no escape is a prefix of another, and a plain charact
 starts one), so it maps each terminal's language to exactly the escaped strings of that
 language and leaves the grammar's structure alone: string literals become their escaped
 text, each regular expression's characters and classes become the alternatives of their
-escapes, rules and everything else are kept.
+escapes, rules and everything else are kept. Terminals become rules, their characters
+lexemes (see `quoted_regex`: the lexer is greedy, and escapes share their first byte).
 
 Supported: Lark's rules, literals (and `"a".."z"` ranges), regexes with the `s` and `x`
 flags, `%import common.NAME` of the common terminals below; not: `%ignore`, case-insensitive
