@@ -1,0 +1,370 @@
+"""Tensor parallelism: one thread of decisions, N of work.
+
+Rank 0 runs the engine; its model is a `ShardedModel`, which implements the Model protocol
+by sending each call to the follower ranks as a small command (the call's name and its
+arguments: token ids, positions, slot and block ids, hidden states) and then running it on
+its own shard. Every rank runs the same calls in the same order on its own shard of the
+pools, so the pools agree by construction (rank 0's scheduler picks every block and slot
+id); the all-reduces inside the forward combine the partial results (`shard.py`).
+
+What must answer for every rank is a collective that reports each rank's outcome
+(`ACKNOWLEDGED`): `synchronize` (the fence the predicate reads: rank 0's model says work
+has completed only once every rank said so), `export_parts` / `read_parts` /
+`reference_parts` (each rank's parts gathered; a rank's failure fails the whole) and
+`import_parts` (each rank writes its own parts; one missing fails the whole). A rank that
+dies or hangs makes a collective fail or time out: rank 0 raises `ModelLost` then and on
+every later call.
+
+The recurrent states a forward returns stay on the rank that made them: rank 0 hands the
+engine references (`StateRef`) that each rank resolves in its own record of recent
+forwards when `accept` picks one."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from .protocol import Forward, Lane, MissingStatePart, ModelLost, MtpOut, Parts
+from .torch_model import TorchModel
+
+log = logging.getLogger("ninfer.model.tp")
+
+ACKNOWLEDGED = frozenset({"synchronize", "export_parts", "import_parts", "read_parts",
+                          "reference_parts"})
+KEPT_FORWARDS = 32  # forwards whose states `accept` may still pick (several per step)
+
+
+class StateRef(NamedTuple):
+    """The recurrent state after position `index` of item `item` of forward `call`."""
+
+    call: int
+    item: int
+    index: int
+
+
+class _StateRefs(Sequence):
+    def __init__(self, call: int, item: int, n: int) -> None:
+        self.call, self.item, self.n = call, item, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        return StateRef(self.call, self.item, range(self.n)[i])
+
+
+class LaneIds(NamedTuple):
+    """What a model reads of a lane: where its parts are stored."""
+
+    slot: int
+    attn_blocks: tuple[int, ...]
+    mtp_blocks: tuple[int, ...]
+
+    @classmethod
+    def of(cls, lane: Lane) -> LaneIds:
+        return cls(lane.slot, tuple(lane.attn_blocks), tuple(lane.mtp_blocks))
+
+    def lane(self) -> Lane:
+        return Lane(self.slot, list(self.attn_blocks), list(self.mtp_blocks))
+
+
+@dataclass(frozen=True)
+class HeldIds:
+    """A checkpoint's storage (the protocol's HeldStorage), as sent to the ranks."""
+
+    position: int
+    attn_blocks: list[int]
+    mtp_blocks: list[int]
+    mtp_kv: int
+    slot: int
+
+    @classmethod
+    def of(cls, held) -> HeldIds:
+        return cls(held.position, list(held.attn_blocks), list(held.mtp_blocks), held.mtp_kv,
+                   held.slot)
+
+
+class Command(NamedTuple):
+    name: str
+    args: tuple
+
+
+class Executor:
+    """Runs commands on one rank's shard (rank 0's and every follower's alike)."""
+
+    def __init__(self, model: TorchModel, rank: int) -> None:
+        self.model, self.rank = model, rank
+        self.forwards: OrderedDict[int, list[Forward]] = OrderedDict()
+        self.calls = 0
+
+    def run(self, command: Command) -> Any:
+        return getattr(self, "_" + command.name)(*command.args)
+
+    def _forward_batch(self, items, per_position: bool, outputs: bool) -> list[Forward]:
+        self.calls += 1
+        out = self.model.forward_batch([(ids.lane(), tokens, start)
+                                        for ids, tokens, start in items],
+                                       per_position=per_position, outputs=outputs)
+        self.forwards[self.calls] = out
+        while len(self.forwards) > KEPT_FORWARDS:
+            self.forwards.popitem(last=False)
+        return out
+
+    def _accept(self, ids: LaneIds, ref: StateRef, hidden) -> None:
+        forward = self.forwards.get(ref.call)
+        if forward is None:
+            raise MissingStatePart(f"the state of forward {ref.call} is no longer kept")
+        self.model.accept(ids.lane(), forward[ref.item].states[ref.index], hidden)
+
+    def _init_slot(self, ids: LaneIds) -> None:
+        self.model.init_slot(ids.lane())
+
+    def _mtp(self, ids: LaneIds, position: int, hidden, next_token: int) -> MtpOut:
+        return self.model.mtp(ids.lane(), position, hidden, next_token)
+
+    def _mtp_span(self, ids: LaneIds, start: int, hidden, next_tokens: list) -> MtpOut:
+        return self.model.mtp_span(ids.lane(), start, hidden, next_tokens)
+
+    def _copy_slot(self, src: int, dst: int) -> None:
+        self.model.copy_slot(src, dst)
+
+    def _copy_block(self, src: int, dst: int, n: int) -> None:
+        self.model.copy_block(src, dst, n)
+
+    def _export_parts(self, held: HeldIds) -> dict:
+        return _cpu(self.model.export_parts(held))
+
+    def _import_parts(self, held: HeldIds, parts: dict) -> None:
+        prefix = f"rank{self.rank}/"
+        mine = {k.removeprefix(prefix): v for k, v in parts.items() if k.startswith(prefix)}
+        if not mine:
+            raise KeyError(f"the parts hold nothing of rank {self.rank}")
+        self.model.import_parts(held, mine)
+
+    def _read_parts(self, ids: LaneIds, position: int, mtp_kv: int) -> Parts:
+        return _cpu(self.model.read_parts(ids.lane(), position, mtp_kv))
+
+    def _reference_parts(self, tokens: list[int], mtp: bool) -> Parts:
+        return _cpu(self.model.reference_parts(tokens, mtp))
+
+    def _reference_generate(self, tokens: list[int], max_tokens: int, stop_tokens) -> list:
+        return self.model.reference_generate(tokens, max_tokens, stop_tokens)
+
+    def _synchronize(self) -> None:
+        self.model.synchronize()
+
+
+def _cpu(value):
+    """Tensors moved to the CPU, in the structure given (what a gather pickles)."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, Parts):
+        return Parts(*(_cpu(v) for v in value))
+    if isinstance(value, tuple):
+        return tuple(_cpu(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _cpu(v) for k, v in value.items()}
+    return value
+
+
+class Wire:
+    """The process groups of one run: `commands` (gloo, rank 0 to all, no deadline: a
+    follower waits for work as long as the server is idle), `control` (gloo, the
+    acknowledgements and the parts gathered) and `compute` (the forward's all-reduces:
+    gloo on the CPU, NCCL on GPUs); the last two time out after `timeout` seconds."""
+
+    def __init__(self, rank: int, world: int, commands, control, compute) -> None:
+        self.rank, self.world = rank, world
+        self.commands, self.control, self.compute = commands, control, compute
+        self.sent = 0
+        self.send_seconds = 0.0
+
+    def send(self, command: Command) -> None:
+        import time
+
+        import torch.distributed as dist
+        t0 = time.perf_counter()
+        dist.broadcast_object_list([command], src=0, group=self.commands)
+        self.send_seconds += time.perf_counter() - t0
+        self.sent += 1
+
+    def receive(self) -> Command:
+        import torch.distributed as dist
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=self.commands)
+        return box[0]
+
+    def report(self, outcome: tuple[Any, str | None]) -> list[tuple[Any, str | None]] | None:
+        """Each rank's (result, error) gathered on rank 0 (None on the others)."""
+        import torch.distributed as dist
+        gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(outcome, gathered, dst=0, group=self.control)
+        return gathered
+
+
+class ShardedModel:
+    """Rank 0's model: the Model protocol over N ranks' shards (see the module docstring).
+    `runs_ahead` is false: CUDA graphs do not hold the collectives."""
+
+    runs_ahead = False
+    graphs = None  # (as a TorchModel without CUDA graphs)
+
+    def __init__(self, local: TorchModel, wire: Wire, identity: str) -> None:
+        self.local, self.wire = local, wire
+        self.executor = Executor(local, 0)
+        self.identity, self.dtypes = identity, local.dtypes
+        self.vocab_size, self.block_size = local.vocab_size, local.block_size
+        self.world = wire.world
+        self._completed = 0
+        self.lost: ModelLost | None = None
+
+    @property
+    def net(self):
+        return self.local.net
+
+    # --- the wire ---------------------------------------------------------------------
+
+    def _call(self, name: str, *args) -> Any:
+        """Send the command, then run it here (a collective inside waits for the others)."""
+        if self.lost is not None:
+            raise self.lost
+        command = Command(name, args)
+        try:
+            self.wire.send(command)
+            if name not in ACKNOWLEDGED:
+                return self.executor.run(command)
+            try:
+                outcome = (self.executor.run(command), None)
+                failure: Exception | None = None
+            except Exception as exc:  # the others still report: then it is raised
+                outcome, failure = (None, repr(exc)), exc
+            gathered = self.wire.report(outcome)
+        except (MissingStatePart, KeyError, IndexError, ValueError):
+            raise  # the engine's own mistakes: every rank made the same one
+        except Exception as exc:  # a collective failed or timed out: a rank is gone
+            self.lost = ModelLost(f"tensor-parallel rank lost during {name}: {exc}")
+            log.critical("%s", self.lost)
+            raise self.lost from exc
+        if failure is not None:
+            raise failure
+        errors = [f"rank {r}: {err}" for r, (_, err) in enumerate(gathered) if err]
+        if errors:
+            raise RuntimeError(f"{name} failed on {'; '.join(errors)}")
+        return [result for result, _ in gathered]
+
+    def close(self) -> None:
+        """Tell the followers to stop (they exit); the model cannot be used after."""
+        if self.lost is None:
+            try:
+                self.wire.send(Command("stop", ()))
+            except Exception:  # already gone
+                pass
+            self.lost = ModelLost("the model was closed")
+
+    # --- the protocol -----------------------------------------------------------------
+
+    def forward(self, lane: Lane, tokens: Sequence[int], start: int,
+                per_position: bool = False) -> Forward:
+        return self.forward_batch([(lane, tokens, start)], per_position)[0]
+
+    def forward_batch(self, items, per_position: bool = True, ahead: bool = False,
+                      outputs: bool = True) -> list[Forward]:
+        wire_items = [(LaneIds.of(lane), list(tokens), start) for lane, tokens, start in items]
+        out = self._call("forward_batch", wire_items, per_position, outputs)
+        call = self.executor.calls
+        return [Forward(f.greedy, f.hidden, _StateRefs(call, i, len(f.states)), f.logits)
+                for i, f in enumerate(out)]
+
+    def accept(self, lane: Lane, state, hidden=None) -> None:
+        if not isinstance(state, StateRef):
+            raise TypeError(f"a sharded model accepts its own forwards' states, not {state!r}")
+        self._call("accept", LaneIds.of(lane), state, hidden)
+
+    def init_slot(self, lane: Lane) -> None:
+        self._call("init_slot", LaneIds.of(lane))
+
+    def load_hidden(self, slot: int):
+        return self.local.load_hidden(slot)  # whole and equal on every rank
+
+    def mtp(self, lane: Lane, position: int, hidden, next_token: int) -> MtpOut:
+        return self._call("mtp", LaneIds.of(lane), position, hidden, next_token)
+
+    def mtp_span(self, lane: Lane, start: int, hidden, next_tokens: list[int]) -> MtpOut:
+        return self._call("mtp_span", LaneIds.of(lane), start, list(hidden), list(next_tokens))
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        self._call("copy_slot", src, dst)
+
+    def copy_block(self, src: int, dst: int, n: int) -> None:
+        self._call("copy_block", src, dst, n)
+
+    def export_parts(self, held) -> dict[str, Any]:
+        """Every rank's parts, keyed `rank{r}/{part}`: a checkpoint file holds them all."""
+        per_rank = self._call("export_parts", HeldIds.of(held))
+        return {f"rank{r}/{k}": v for r, parts in enumerate(per_rank) for k, v in parts.items()}
+
+    def import_parts(self, held, parts: dict[str, Any]) -> None:
+        missing = [r for r in range(self.world)
+                   if not any(k.startswith(f"rank{r}/") for k in parts)]
+        if missing:  # refused before any rank writes anything
+            raise KeyError(f"the parts hold nothing of rank(s) {missing}")
+        self._call("import_parts", HeldIds.of(held), dict(parts))
+
+    def read_parts(self, lane: Lane, position: int, mtp_kv: int) -> Parts:
+        return _joined(self._call("read_parts", LaneIds.of(lane), position, mtp_kv))
+
+    def reference_parts(self, tokens: Sequence[int], mtp: bool) -> Parts:
+        return _joined(self._call("reference_parts", list(tokens), mtp))
+
+    def parts_match(self, got: Parts, ref: Parts) -> str | None:
+        return self.local.parts_match(got, ref)
+
+    def reference_generate(self, tokens: Sequence[int], max_tokens: int,
+                           stop_tokens: Sequence[int] = ()) -> list[int]:
+        return self._call("reference_generate", list(tokens), max_tokens, tuple(stop_tokens))
+
+    def fence(self) -> int:
+        return self.local.fence()
+
+    def completed(self, marker: int) -> bool:
+        """Completed on every rank: rank 0 counts work done only once all said so."""
+        return marker <= self._completed
+
+    def synchronize(self) -> None:
+        marker = self.local.fence()
+        self._call("synchronize")
+        self._completed = marker
+
+    # --- measurement --------------------------------------------------------------------
+
+    def collective_seconds(self) -> float:
+        """Seconds rank 0 spent in the forward's all-reduces and gathers so far."""
+        return self.local.net.collectives.seconds
+
+
+def _joined(per_rank: list[Parts]) -> Parts:
+    """One Parts of every rank's, rank by rank (the hidden state is whole on each)."""
+    return Parts(tuple(t for p in per_rank for t in p.attn_kv),
+                 tuple(t for p in per_rank for t in p.recurrent),
+                 tuple(t for p in per_rank for t in p.mtp_kv), per_rank[0].hidden)
+
+
+def follow(executor: Executor, wire: Wire) -> None:
+    """A follower's loop: receive a command, run it on this rank's shard, report where the
+    call is acknowledged; until rank 0 says stop (or is gone, which raises)."""
+    while True:
+        command = wire.receive()
+        if command.name == "stop":
+            return
+        try:
+            outcome = (executor.run(command), None)
+        except Exception as exc:  # rank 0 made the same call: it hears of it if it asks
+            log.warning("rank %d: %s failed: %r", wire.rank, command.name, exc)
+            outcome = (None, repr(exc))
+        if command.name in ACKNOWLEDGED:
+            wire.report((outcome[0] if command.name != "import_parts" else None, outcome[1]))
