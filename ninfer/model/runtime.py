@@ -92,11 +92,10 @@ def shard_refusal(path: str | Path | None, world: int) -> str | None:
     return None
 
 
-def launch_ranks(world: int, options: dict, *, timeout: float, threads: int) -> Ranks:
-    """Rank 0 of a tensor-parallel run: the followers spawned and joined (`ranks.launch`);
-    `options` are `open_model`'s keyword arguments, which every rank opens alike."""
+def launch_ranks(world: int, *, timeout: float, threads: int, device: str) -> Ranks:
+    """Rank 0 of a tensor-parallel run: the followers spawned and joined (`ranks.launch`)."""
     from .ranks import launch
-    return launch(world, options, timeout=timeout, threads=threads)
+    return launch(world, timeout=timeout, threads=threads, device=device)
 
 
 @dataclass(frozen=True)
@@ -121,10 +120,35 @@ def open_model(path: str | Path | None = None, *, dtype: str = "float32", device
                mtp: bool = True, ranks: Ranks | None = None) -> OpenModel:
     """Load, check and build. `kv_capacity` is the number of KV positions the block pool
     holds (attention and MTP KV draw from it); `num_slots` the recurrent-state snapshots.
-    `ranks` (`ranks.launch` / `ranks.join`): this process's shard of a tensor-parallel run;
-    rank 0's model is then a `ShardedModel`, a follower's its plain shard."""
+    `ranks` (rank 0 of `ranks.launch`): the model sharded over its ranks, every follower
+    opening its shard alike (`shard_model`); the model is then a `ShardedModel`."""
     source = Path(path) if path is not None else default_model_dir()
     files = load_files(source)
+    options = dict(path=None if path is None else str(path), dtype=dtype, device=device,
+                   kv_capacity=kv_capacity, block_size=block_size, num_slots=num_slots,
+                   mtp=mtp)
+    model: TorchModel | ShardedModel
+    if ranks is None or ranks.world == 1:
+        model = shard_model(None, files=files, **options)
+    else:
+        model = ranks.open(SHARD_FACTORY, options,
+                           local=lambda: shard_model(ranks, files=files, **options))
+    num_blocks = -(-kv_capacity // block_size)
+    name = DEFAULT_MODEL if path is None else source.name.removesuffix(".ninfer")
+    return OpenModel(model, BlockPool(num_blocks, block_size), SlotPool(num_slots),
+                     files.tokenizer, files.template, files, name)
+
+
+SHARD_FACTORY = "ninfer.model.runtime:shard_model"
+
+
+def shard_model(ranks: Ranks | None, *, path: str | None, dtype: str, device: str,
+                kv_capacity: int, block_size: int, num_slots: int, mtp: bool,
+                files: LoadedFiles | None = None) -> TorchModel:
+    """This rank's TorchModel: the whole model without `ranks` (or with one rank), else
+    its shard (every rank of a run calls this alike)."""
+    if files is None:
+        files = load_files(Path(path) if path is not None else default_model_dir())
     world = ranks.world if ranks is not None else 1
     check_shardable(files.config, world)
     if world > 1 and torch.device(device).type == "cuda":
@@ -135,18 +159,9 @@ def open_model(path: str | Path | None = None, *, dtype: str = "float32", device
     net = net.to(device=device, dtype=DTYPES[dtype])
     num_blocks = -(-kv_capacity // block_size)
     ident = tp_identity(identity(files), world)
-    model: TorchModel | ShardedModel
     if ranks is None or world == 1:
-        model = TorchModel(net, num_blocks=num_blocks, block_size=block_size,
-                           num_slots=num_slots, identity=ident, device=device)
-    else:
-        wire = ranks.wire
-        shard = build_shard(net, Shard(ranks.rank, world), Collectives(wire.compute, world))
-        del net
-        model = TorchModel(shard, num_blocks=num_blocks, block_size=block_size,
-                           num_slots=num_slots, identity=ident, device=device, graphs=False)
-        if ranks.rank == 0:
-            model = ShardedModel(model, wire, ident)
-    name = DEFAULT_MODEL if path is None else source.name.removesuffix(".ninfer")
-    return OpenModel(model, BlockPool(num_blocks, block_size), SlotPool(num_slots),
-                     files.tokenizer, files.template, files, name)
+        return TorchModel(net, num_blocks=num_blocks, block_size=block_size,
+                          num_slots=num_slots, identity=ident, device=device)
+    shard = build_shard(net, Shard(ranks.rank, world), Collectives(ranks.wire.compute, world))
+    return TorchModel(shard, num_blocks=num_blocks, block_size=block_size,
+                      num_slots=num_slots, identity=ident, device=device, graphs=False)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -34,8 +34,9 @@ from .torch_model import TorchModel
 
 log = logging.getLogger("ninfer.model.tp")
 
-ACKNOWLEDGED = frozenset({"synchronize", "export_parts", "import_parts", "read_parts",
+ACKNOWLEDGED = frozenset({"open", "synchronize", "export_parts", "import_parts", "read_parts",
                           "reference_parts"})
+KEPT_MODELS = 4  # models a follower keeps open (a server opens one; tests a few)
 KEPT_FORWARDS = 32  # forwards whose states `accept` may still pick (several per step)
 
 
@@ -92,6 +93,7 @@ class HeldIds:
 class Command(NamedTuple):
     name: str
     args: tuple
+    model: int = 0   # which of the models opened in this run (`open_sharded` numbers them)
 
 
 class Executor:
@@ -103,7 +105,10 @@ class Executor:
         self.calls = 0
 
     def run(self, command: Command) -> Any:
-        return getattr(self, "_" + command.name)(*command.args)
+        args = command.args
+        if self.model.device.type != "cpu":  # what came over the channel is on the CPU
+            args = _on(args, self.model.device)
+        return getattr(self, "_" + command.name)(*args)
 
     def _forward_batch(self, items, per_position: bool, outputs: bool) -> list[Forward]:
         self.calls += 1
@@ -165,39 +170,54 @@ def _cpu(value):
         return value.cpu()
     if isinstance(value, Parts):
         return Parts(*(_cpu(v) for v in value))
-    if isinstance(value, tuple):
-        return tuple(_cpu(v) for v in value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cpu(v) for v in value) if type(value) in (tuple, list) \
+            else type(value)(*(_cpu(v) for v in value))  # a NamedTuple
     if isinstance(value, dict):
         return {k: _cpu(v) for k, v in value.items()}
     return value
 
 
-class Wire:
-    """The process groups of one run: `commands` (gloo, rank 0 to all, no deadline: a
-    follower waits for work as long as the server is idle), `control` (gloo, the
-    acknowledgements and the parts gathered) and `compute` (the forward's all-reduces:
-    gloo on the CPU, NCCL on GPUs); the last two time out after `timeout` seconds."""
+def _on(value, device):
+    """`_cpu`'s inverse: tensors moved to `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if type(value) in (tuple, list):
+        return type(value)(_on(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _on(v, device) for k, v in value.items()}
+    return value
 
-    def __init__(self, rank: int, world: int, commands, control, compute) -> None:
+
+class Wire:
+    """How the ranks of one run talk: `channel` (rank 0's commands, `channel.py`),
+    `control` (gloo: the acknowledgements and the parts gathered) and `compute` (the
+    forward's all-reduces: gloo on the CPU, NCCL on GPUs); the process groups time out
+    after the run's timeout, which bounds how long a stalled rank can stall the others."""
+
+    def __init__(self, rank: int, world: int, channel, control, compute) -> None:
         self.rank, self.world = rank, world
-        self.commands, self.control, self.compute = commands, control, compute
+        self.channel, self.control, self.compute = channel, control, compute
         self.sent = 0
         self.send_seconds = 0.0
+        self.opened = 0  # models opened in this run (tests open several)
 
     def send(self, command: Command) -> None:
         import time
-
-        import torch.distributed as dist
         t0 = time.perf_counter()
-        dist.broadcast_object_list([command], src=0, group=self.commands)
+        self.channel.send(command._replace(args=_cpu(command.args)))
         self.send_seconds += time.perf_counter() - t0
         self.sent += 1
 
+    def stop(self) -> None:
+        """Rank 0: the followers are told to stop (they exit); quietly, if they are gone."""
+        try:
+            self.send(Command("stop", ()))
+        except Exception as exc:
+            log.info("the followers are gone already: %r", exc)
+
     def receive(self) -> Command:
-        import torch.distributed as dist
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=self.commands)
-        return box[0]
+        return self.channel.receive()
 
     def report(self, outcome: tuple[Any, str | None]) -> list[tuple[Any, str | None]] | None:
         """Each rank's (result, error) gathered on rank 0 (None on the others)."""
@@ -214,8 +234,8 @@ class ShardedModel:
     runs_ahead = False
     graphs = None  # (as a TorchModel without CUDA graphs)
 
-    def __init__(self, local: TorchModel, wire: Wire, identity: str) -> None:
-        self.local, self.wire = local, wire
+    def __init__(self, local: TorchModel, wire: Wire, identity: str, number: int = 0) -> None:
+        self.local, self.wire, self.number = local, wire, number
         self.executor = Executor(local, 0)
         self.identity, self.dtypes = identity, local.dtypes
         self.vocab_size, self.block_size = local.vocab_size, local.block_size
@@ -233,7 +253,7 @@ class ShardedModel:
         """Send the command, then run it here (a collective inside waits for the others)."""
         if self.lost is not None:
             raise self.lost
-        command = Command(name, args)
+        command = Command(name, args, self.number)
         try:
             self.wire.send(command)
             if name not in ACKNOWLEDGED:
@@ -256,15 +276,6 @@ class ShardedModel:
         if errors:
             raise RuntimeError(f"{name} failed on {'; '.join(errors)}")
         return [result for result, _ in gathered]
-
-    def close(self) -> None:
-        """Tell the followers to stop (they exit); the model cannot be used after."""
-        if self.lost is None:
-            try:
-                self.wire.send(Command("stop", ()))
-            except Exception:  # already gone
-                pass
-            self.lost = ModelLost("the model was closed")
 
     # --- the protocol -----------------------------------------------------------------
 
@@ -354,15 +365,46 @@ def _joined(per_rank: list[Parts]) -> Parts:
                  tuple(t for p in per_rank for t in p.mtp_kv), per_rank[0].hidden)
 
 
-def follow(executor: Executor, wire: Wire) -> None:
-    """A follower's loop: receive a command, run it on this rank's shard, report where the
-    call is acknowledged; until rank 0 says stop (or is gone, which raises)."""
+def open_sharded(wire: Wire, factory: str, options: dict,
+                 local: Callable[[], TorchModel]) -> ShardedModel:
+    """Rank 0: every rank opens its shard (the followers by `factory(ranks, **options)`,
+    this one by `local()`); one that fails fails the whole."""
+    wire.opened += 1
+    command = Command("open", (factory, options), wire.opened)
+    wire.send(command)
+    try:
+        model, error, failure = local(), None, None
+    except Exception as exc:
+        model, error, failure = None, repr(exc), exc
+    gathered = wire.report((None, error))
+    if failure is not None:
+        raise failure
+    errors = [f"rank {r}: {err}" for r, (_, err) in enumerate(gathered) if err]
+    if errors:
+        raise RuntimeError(f"opening the model failed on {'; '.join(errors)}")
+    return ShardedModel(model, wire, model.identity, wire.opened)
+
+
+def follow(wire: Wire, open_shard: Callable[[str, dict], TorchModel]) -> None:
+    """A follower's loop: receive a command, run it on this rank's shard (`open` makes a
+    fresh one by `open_shard(factory, options)`), report where the call is acknowledged;
+    until rank 0 says stop (or is gone, which raises)."""
+    executors: OrderedDict[int, Executor] = OrderedDict()
     while True:
         command = wire.receive()
         if command.name == "stop":
             return
         try:
-            outcome = (executor.run(command), None)
+            if command.name == "open":
+                executors[command.model] = Executor(open_shard(*command.args), wire.rank)
+                while len(executors) > KEPT_MODELS:  # the oldest, long unused
+                    executors.popitem(last=False)
+                result = None
+            elif command.model not in executors:
+                raise RuntimeError(f"model {command.model} is not open here")
+            else:
+                result = executors[command.model].run(command)
+            outcome = (result, None)
         except Exception as exc:  # rank 0 made the same call: it hears of it if it asks
             log.warning("rank %d: %s failed: %r", wire.rank, command.name, exc)
             outcome = (None, repr(exc))

@@ -207,8 +207,7 @@ class Loaded:
         if self.thread.engine.files is not None:
             self.thread.engine.files.close()  # writes in flight land
         if self.ranks is not None:
-            self.thread.engine.model.close()  # the followers are told to stop
-            self.ranks.close()
+            self.ranks.close()  # the followers are told to stop
 
 
 EXIT_MODEL_LOST = 3  # the status `ninfer serve` exits with when a tensor-parallel rank is lost
@@ -244,15 +243,14 @@ def load(args: argparse.Namespace) -> Loaded:
     from ..model.runtime import open_model
     torch.set_num_threads(args.torch_threads)
     dtype = args.dtype or default_dtype(args.device)
-    options = dict(path=args.model, dtype=dtype, device=args.device,
-                   kv_capacity=args.kv_capacity, num_slots=args.state_slots,
-                   mtp=args.spec == "mtp")
     ranks = None
     if args.tensor_parallel > 1:
         from ..model.runtime import launch_ranks
-        ranks = launch_ranks(args.tensor_parallel, options, timeout=args.tp_timeout,
-                       threads=args.torch_threads)
-    om = open_model(**options, ranks=ranks)
+        ranks = launch_ranks(args.tensor_parallel, timeout=args.tp_timeout,
+                             threads=args.torch_threads, device=args.device)
+    om = open_model(args.model, dtype=dtype, device=args.device,
+                    kv_capacity=args.kv_capacity, num_slots=args.state_slots,
+                    mtp=args.spec == "mtp", ranks=ranks)
     if args.spec != "none" and om.model.graphs is not None:
         log.warning("--spec %s on %s: verifies and drafts replay CUDA graphs, but a verify "
                     "of 4 positions costs ~2.6 plain steps and only rounds without drafts "
@@ -434,6 +432,9 @@ def run_serve(args: argparse.Namespace) -> int:
     threading.Thread(target=watch_for_lost_model, args=(server, uvicorn_server, exit_code),
                      name="ninfer-watch", daemon=True).start()
     uvicorn_server.run()
+    if exit_code[0] == EXIT_MODEL_LOST:  # the journal is closed; a process group whose
+        logging.shutdown()               # peers are gone cannot be torn down cleanly
+        os._exit(EXIT_MODEL_LOST)
     return exit_code[0]
 
 
