@@ -383,7 +383,20 @@ def build(args: argparse.Namespace):
         for item in loaded:
             item.close()
 
+    def model_lost() -> str | None:
+        """Why the model is lost: the engine stopped on it, or (while idle, before a step
+        finds out) a follower rank exited."""
+        for item in loaded:
+            if item.thread.model_lost:
+                return str(item.thread.error)
+            if item.ranks is not None:
+                for rank, p in enumerate(item.ranks.followers, start=1):
+                    if p.poll() is not None:
+                        return f"tensor-parallel rank {rank} exited with status {p.returncode}"
+        return None
+
     app.router.lifespan_context = lifespan
+    app.state.model_lost = model_lost
     return app, server
 
 
@@ -397,17 +410,17 @@ def check_tensor_parallel(args: argparse.Namespace) -> str | None:
     return f"--tensor-parallel {args.tensor_parallel}: {refusal}" if refusal else None
 
 
-def watch_for_lost_model(server, uvicorn_server, exit_code: list[int],
+def watch_for_lost_model(model_lost, uvicorn_server, exit_code: list[int],
                          grace: float = 1.0) -> None:
-    """Stop the HTTP server once the engine stopped because its model was lost (a rank
-    died or stalled): requests in flight have had their 503s; the process exits non-zero
-    so that a supervisor restarts it."""
+    """Stop the HTTP server once the model is lost (`model_lost()` says why; a rank died or
+    stalled): requests in flight have had their 503s; the process exits non-zero so that a
+    supervisor restarts it."""
     import time
     while not uvicorn_server.should_exit:
-        thread = server.thread
-        if thread is not None and thread.model_lost:
+        why = model_lost()
+        if why:
             log.critical("the model was lost (%s); exiting with status %d for a restart",
-                         thread.error, EXIT_MODEL_LOST)
+                         why, EXIT_MODEL_LOST)
             exit_code[0] = EXIT_MODEL_LOST
             time.sleep(grace)
             uvicorn_server.should_exit = True
@@ -423,13 +436,14 @@ def run_serve(args: argparse.Namespace) -> int:
     if refused:
         print(f"ninfer serve: error: {refused}", file=sys.stderr)
         return 2
-    app, server = build(args)
+    app, _ = build(args)
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=args.log_level.lower(), access_log=False,
                             timeout_graceful_shutdown=5)
     uvicorn_server = uvicorn.Server(config)
     exit_code = [0]
-    threading.Thread(target=watch_for_lost_model, args=(server, uvicorn_server, exit_code),
+    threading.Thread(target=watch_for_lost_model,
+                     args=(app.state.model_lost, uvicorn_server, exit_code),
                      name="ninfer-watch", daemon=True).start()
     uvicorn_server.run()
     if exit_code[0] == EXIT_MODEL_LOST:  # the journal is closed; a process group whose

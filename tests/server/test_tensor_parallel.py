@@ -7,6 +7,7 @@ passes `ninfer journal check`, and a model that cannot be split is refused with 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -152,13 +153,15 @@ def test_a_cancel_storm_leaves_a_sound_server_and_journal(servers):
 def test_a_restart_with_another_degree_loses_the_endpoints_never_loads_them(servers):
     _, two, tmp, persist = servers
     assert two.complete("remember this conversation", session="keep").status_code == 200
-    published = len(two.events("EndpointPublished"))
-    assert published and any(persist.iterdir())
+    published = {json.loads(d)["endpoint"]["id"] for _, d in two.events("EndpointPublished")}
+    gone = {json.loads(d)["endpoint"] for _, d in two.events("EndpointEvicted")}
+    assert published - gone and any(persist.iterdir())
     assert two.stop() in (0, -signal.SIGINT)  # uvicorn re-raises the signal it handled
     again = Served(tmp, "two-as-one", "--persist-endpoints", str(persist), journal=two.journal)
     try:
         lost = again.events("EndpointLost")
-        assert lost and all("identity" in data or "model" in data for _, data in lost), lost
+        assert {json.loads(d)["endpoint"] for _, d in lost} == published - gone  # every one
+        assert all("-tp2' is not the server's" in data for _, data in lost), lost
         r = again.complete("remember this conversation more", session="keep")
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     finally:
@@ -205,3 +208,13 @@ def test_a_model_that_cannot_be_split_is_refused_with_status_2():
     assert "--tensor-parallel 3: this model cannot be split over 3 ranks: attention heads (2)" \
         in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_follower_that_dies_while_the_server_is_idle_makes_it_exit_too(tmp_path):
+    served = Served(tmp_path, "idle", "--tensor-parallel", "2")
+    [follower] = served.followers()
+    os.kill(follower, signal.SIGKILL)
+    assert served.process.wait(30) == 3  # no request needed to find out
+    served.stop()
+    done = _journal_check(served.journal)
+    assert done.returncode == 0, done.stdout + done.stderr
