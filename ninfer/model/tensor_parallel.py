@@ -37,7 +37,9 @@ log = logging.getLogger("ninfer.model.tp")
 ACKNOWLEDGED = frozenset({"open", "synchronize", "export_parts", "import_parts", "read_parts",
                           "reference_parts"})
 KEPT_MODELS = 4  # models a follower keeps open (a server opens one; tests a few)
-KEPT_FORWARDS = 32  # forwards whose states `accept` may still pick (several per step)
+# forwards whose states `accept` may still pick: a step's (a prefill per lane and one
+# verify; the engine accepts within the step that made them), with room to spare
+KEPT_FORWARDS = 16
 
 
 class StateRef(NamedTuple):
@@ -168,11 +170,10 @@ def _cpu(value):
     """Tensors moved to the CPU, in the structure given (what a gather pickles)."""
     if isinstance(value, torch.Tensor):
         return value.cpu()
-    if isinstance(value, Parts):
-        return Parts(*(_cpu(v) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(_cpu(v) for v in value) if type(value) in (tuple, list) \
-            else type(value)(*(_cpu(v) for v in value))  # a NamedTuple
+    if type(value) in (tuple, list):
+        return type(value)(_cpu(v) for v in value)
+    if isinstance(value, tuple):  # a NamedTuple (Parts, LaneIds, ...)
+        return type(value)(*(_cpu(v) for v in value))
     if isinstance(value, dict):
         return {k: _cpu(v) for k, v in value.items()}
     return value
@@ -184,6 +185,8 @@ def _on(value, device):
         return value.to(device)
     if type(value) in (tuple, list):
         return type(value)(_on(v, device) for v in value)
+    if isinstance(value, tuple):
+        return type(value)(*(_on(v, device) for v in value))
     if isinstance(value, dict):
         return {k: _on(v, device) for k, v in value.items()}
     return value
