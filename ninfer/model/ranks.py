@@ -73,6 +73,8 @@ def _groups(rank: int, world: int, port: int, device: str, timeout: float):
     import torch
     import torch.distributed as dist
     cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)  # one GPU per rank, in rank order (NCCL needs it set)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) if cuda \

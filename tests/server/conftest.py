@@ -126,7 +126,11 @@ def live(tmp_path_factory) -> Running:
         time.sleep(0.05)
     else:
         raise AssertionError("the server did not become ready")
-    yield Running(url, server, journal, first)
+    running = Running(url, server, journal, first)
+    degree = int(os.environ.get("NINFER_TEST_TENSOR_PARALLEL", "1"))
+    if degree > 1:  # the suite runs on what it says it runs on
+        assert running.engine.model.identity.endswith(f"-tp{degree}")
+    yield running
     userver.should_exit = True
     thread.join(10)
     sock.close()

@@ -218,3 +218,15 @@ def test_a_follower_that_dies_while_the_server_is_idle_makes_it_exit_too(tmp_pat
     served.stop()
     done = _journal_check(served.journal)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_disconnect_and_session_tests_pass_on_a_two_rank_server():
+    """A representative part of the server suite against its session server sharded over
+    two ranks (the whole suite runs so with NINFER_TEST_TENSOR_PARALLEL=2)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+         "tests/server/test_disconnect.py", "tests/server/test_sessions.py"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "NINFER_TEST_TENSOR_PARALLEL": "2"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout
