@@ -33,6 +33,12 @@ def _bench_journal(args: argparse.Namespace) -> int:
 def _bench_engine(args: argparse.Namespace) -> int:
     from .bench.engine import main as bench_engine
     from .server.serve import default_dtype
+    if args.tensor_parallel > 1:
+        from .bench.tensor_parallel import main as bench_tensor_parallel
+        return bench_tensor_parallel(model=args.model, device=args.device,
+                                     dtype=args.dtype or default_dtype(args.device),
+                                     world=args.tensor_parallel, json_path=args.json,
+                                     quick=args.quick, threads=args.threads)
     return bench_engine(model=args.model, device=args.device,
                         dtype=args.dtype or default_dtype(args.device),
                         json_path=args.json, quick=args.quick)
@@ -136,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--quick", action="store_true",
                         help="short prompts only (a smoke run, not the reported figures)")
     engine.add_argument("--json", default=None, help="also write the results to this file")
+    engine.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                        help="also shard the model over N ranks (gloo on the CPU) and print "
+                             "the rows at N=1 and N side by side, with rank 0's all-reduce "
+                             "time and command overhead per engine step")
+    engine.add_argument("--threads", type=int, default=1,
+                        help="torch threads per rank, with --tensor-parallel")
     engine.set_defaults(func=_bench_engine)
     constrained = bench_sub.add_parser(
         "constrained", help="a grammar's mask per token at a 4K and a ~152K vocabulary, and "

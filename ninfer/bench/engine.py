@@ -29,9 +29,10 @@ TARGETS = {"turn2_ratio_16k": ("<=", 0.013), "turn2_ratio_4k": ("<=", 0.038),
 
 
 class Bench:
-    def __init__(self, path: str | None, device: str, dtype: str) -> None:
+    def __init__(self, path: str | None, device: str, dtype: str, ranks=None) -> None:
+        """`ranks` (`ninfer.model.ranks.launch`): the model sharded over them."""
         self.om = open_model(path, device=device, dtype=dtype, kv_capacity=80_000,
-                             num_slots=48)
+                             num_slots=48, ranks=ranks)
         self.vocab = min(self.om.files.config.vocab_size, self.om.tokenizer.vocab_size)
         self.rng = random.Random(0)
         self.ids = 0
@@ -107,7 +108,7 @@ class Bench:
         engine.log.listeners.append(on_event)
         restore = _force_drafts(drafts, answers)
         try:
-            t0 = time.perf_counter()
+            t0, steps = time.perf_counter(), engine.steps
             run_until_idle(engine)
             seconds = time.perf_counter() - t0
         finally:
@@ -118,6 +119,7 @@ class Bench:
         gaps = sorted(b - a for a, b in zip(times, times[1:], strict=False)) if batch == 1 \
             else []
         return {"tok_s": done / seconds, "tokens": done, "verifies": len(rounds),
+                "seconds": seconds, "steps": engine.steps - steps,
                 "round_us_median": gaps[len(gaps) // 2] * 1e6 if gaps else None,
                 "tokens_per_verify": done / max(len(rounds), 1),
                 "drafted": sum(d for d, _ in rounds), "accepted": sum(a for _, a in rounds)}

@@ -31,7 +31,7 @@ from safetensors.torch import save as st_save
 
 from ..lifecycle.facts import CheckpointFacts
 from ..lifecycle.hashing import block_hashes, prefix_hash
-from ..model.protocol import Model
+from ..model.protocol import Model, ModelLost
 from .runner import Held, Runner
 
 FORMAT = "ninfer-checkpoint-v1"
@@ -183,6 +183,9 @@ class EndpointFiles:
         held = runner.allocate_held(facts.id, tokens, int(meta["mtp_kv"]), hidden_at)
         try:
             model.import_parts(held, parts)
+        except ModelLost:
+            runner.release_held(held)
+            raise
         except Exception as e:  # parts of another shape: refused, and nothing held
             runner.release_held(held)
             path.unlink(missing_ok=True)

@@ -24,7 +24,7 @@ from ..lifecycle.facts import EndpointFacts, Mode
 from ..lifecycle.request import Request
 from ..lifecycle.store import ContinuationStore
 from ..model.pools import BlockPool, OutOfMemory, SlotPool
-from ..model.protocol import MissingStatePart, Model
+from ..model.protocol import MissingStatePart, Model, ModelLost
 from .budget import budgeted
 from .choice import Choice, make_choice
 from .commands import Cancel, EngineConfig, Inbox, Stop, Submit
@@ -114,7 +114,23 @@ class Engine:
     # --- the step ----------------------------------------------------------------------
 
     def step(self) -> list[ev.Event]:
-        """One engine step; returns the events it committed."""
+        """One engine step; returns the events it committed. A lost model (a tensor-parallel
+        rank gone) fails every request in flight, commits that, and raises: the engine
+        cannot go on."""
+        try:
+            return self._step()
+        except ModelLost as exc:
+            self._lost(exc)
+            raise
+
+    def _lost(self, exc: ModelLost) -> None:
+        message = f"the model was lost: {exc}"
+        for request in list(self.requests.values()):
+            if request.state not in machine.TERMINAL:
+                self.exits.fail(request, "interrupted", message)
+        self._commit()
+
+    def _step(self) -> list[ev.Event]:
         self.steps += 1
         self._drain_commands()
         finishing = [x for x in self.live.values() if _ends_here(x.request)]

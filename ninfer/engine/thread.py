@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..lifecycle import events as ev
+from ..model.protocol import ModelLost
 from .engine import Engine, Submit
 
 log = logging.getLogger("ninfer.engine")
@@ -61,6 +62,11 @@ class EngineThread:
         # never told of a token or an ending that a crash could take back
         self._uncommitted: list[ev.Event] = []
         engine.log.listeners.append(self._uncommitted.append)
+
+    @property
+    def model_lost(self) -> bool:
+        """The loop stopped because the model was lost (a tensor-parallel rank gone)."""
+        return isinstance(self.error, ModelLost)
 
     @property
     def alive(self) -> bool:
@@ -191,6 +197,8 @@ class EngineThread:
             # only print it a second time through threading's excepthook
             self.error = exc
             log.critical("engine thread stopped: %r", exc, exc_info=True)
+            if isinstance(exc, ModelLost):  # the engine committed its requests' failures
+                self._release()
             self._abandon(exc)
         finally:
             self._run_calls()  # nobody waits forever on a call made while stopping
@@ -201,6 +209,7 @@ class EngineThread:
         with self._lock:
             handles, self._handles = list(self._handles.values()), {}
         for handle in handles:
-            failed = ev.RequestFailed(request=handle.id, failure="internal",
+            failed = ev.RequestFailed(request=handle.id, failure="interrupted" if isinstance(
+                exc, ModelLost) else "internal",
                                       message=f"engine stopped: {exc!r}")
             self._deliver(handle, failed)

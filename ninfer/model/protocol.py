@@ -17,6 +17,13 @@ class MissingStatePart(RuntimeError):
     """A forward read a state part that was never written: a stale reuse."""
 
 
+class ModelLost(RuntimeError):
+    """The model can no longer run: a tensor-parallel rank died or did not answer within
+    its timeout. Nothing it computed since the last fence can be trusted; the engine fails
+    every request in flight and stops, and the server exits for its supervisor to restart
+    it."""
+
+
 @dataclass(eq=False)
 class Lane:
     """A live request's state on the device: where its parts are stored."""

@@ -13,15 +13,23 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from ..flags import FLAGS
+from .config import ModelConfig
 from .hybrid import HybridModel, load_weights
 from .loader import LoadedFiles, load_files
 from .pools import BlockPool, SlotPool
+from .shard import Collectives, Shard, ShardError, build_shard, check_shardable
 from .template import ChatTemplate
+from .tensor_parallel import ShardedModel
 from .tokenizer import Tokenizer
 from .torch_model import TorchModel
+
+if TYPE_CHECKING:
+    from .ranks import Ranks
 
 DEFAULT_MODEL = "tiny-qwen3-next-v1"
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -64,9 +72,35 @@ def identity(files: LoadedFiles) -> str:
     return f"{files.config.family}-{h.hexdigest()}"
 
 
+def model_config(path: str | Path | None) -> ModelConfig:
+    """The config of a model directory or file, without its weights where it can (an HF
+    directory's config.json)."""
+    source = Path(path) if path is not None else default_model_dir()
+    if source.is_dir():
+        import json
+        return ModelConfig.from_dict(json.loads((source / "config.json").read_text()),
+                                     str(source / "config.json"))
+    return load_files(source, verify=False).config
+
+
+def shard_refusal(path: str | Path | None, world: int) -> str | None:
+    """Why the model at `path` cannot be split over `world` ranks (None: it can)."""
+    try:
+        check_shardable(model_config(path), world)
+    except ShardError as exc:
+        return str(exc)
+    return None
+
+
+def launch_ranks(world: int, *, timeout: float, threads: int, device: str) -> Ranks:
+    """Rank 0 of a tensor-parallel run: the followers spawned and joined (`ranks.launch`)."""
+    from .ranks import launch
+    return launch(world, timeout=timeout, threads=threads, device=device)
+
+
 @dataclass(frozen=True)
 class OpenModel:
-    model: TorchModel
+    model: TorchModel | ShardedModel
     blocks: BlockPool
     slots: SlotPool
     tokenizer: Tokenizer
@@ -75,19 +109,59 @@ class OpenModel:
     name: str
 
 
+def tp_identity(base: str, world: int) -> str:
+    """The identity of a model sharded over `world` ranks: its parts are per rank, so a
+    checkpoint of one degree is not another's (a restart with another degree loses them)."""
+    return base if world == 1 else f"{base}-tp{world}"
+
+
 def open_model(path: str | Path | None = None, *, dtype: str = "float32", device: str = "cpu",
                kv_capacity: int = 65_536, block_size: int = 16, num_slots: int = 64,
-               mtp: bool = True) -> OpenModel:
+               mtp: bool = True, ranks: Ranks | None = None) -> OpenModel:
     """Load, check and build. `kv_capacity` is the number of KV positions the block pool
-    holds (attention and MTP KV draw from it); `num_slots` the recurrent-state snapshots."""
+    holds (attention and MTP KV draw from it); `num_slots` the recurrent-state snapshots.
+    `ranks` (rank 0 of `ranks.launch`): the model sharded over its ranks, every follower
+    opening its shard alike (`shard_model`); the model is then a `ShardedModel`."""
     source = Path(path) if path is not None else default_model_dir()
     files = load_files(source)
+    options = dict(path=None if path is None else str(path), dtype=dtype, device=device,
+                   kv_capacity=kv_capacity, block_size=block_size, num_slots=num_slots,
+                   mtp=mtp)
+    model: TorchModel | ShardedModel
+    if ranks is None or ranks.world == 1:
+        model = shard_model(None, files=files, **options)
+    else:
+        model = ranks.open(SHARD_FACTORY, options,
+                           local=lambda: shard_model(ranks, files=files, **options))
+    num_blocks = -(-kv_capacity // block_size)
+    name = DEFAULT_MODEL if path is None else source.name.removesuffix(".ninfer")
+    return OpenModel(model, BlockPool(num_blocks, block_size), SlotPool(num_slots),
+                     files.tokenizer, files.template, files, name)
+
+
+SHARD_FACTORY = "ninfer.model.runtime:shard_model"
+
+
+def shard_model(ranks: Ranks | None, *, path: str | None, dtype: str, device: str,
+                kv_capacity: int, block_size: int, num_slots: int, mtp: bool,
+                files: LoadedFiles | None = None) -> TorchModel:
+    """This rank's TorchModel: the whole model without `ranks` (or with one rank), else
+    its shard (every rank of a run calls this alike)."""
+    if files is None:
+        files = load_files(Path(path) if path is not None else default_model_dir())
+    world = ranks.world if ranks is not None else 1
+    check_shardable(files.config, world)
+    if world > 1 and torch.device(device).type == "cuda":
+        device = f"cuda:{ranks.rank}"  # one GPU per rank, in rank order
+        FLAGS.skinny_rows = 0  # the fused residual GEMMs would sum the residual N times
     net = HybridModel(files.config, mtp=mtp)
     load_weights(net, files.tensors)
     net = net.to(device=device, dtype=DTYPES[dtype])
     num_blocks = -(-kv_capacity // block_size)
-    model = TorchModel(net, num_blocks=num_blocks, block_size=block_size, num_slots=num_slots,
-                       identity=identity(files), device=device)
-    name = DEFAULT_MODEL if path is None else source.name.removesuffix(".ninfer")
-    return OpenModel(model, BlockPool(num_blocks, block_size), SlotPool(num_slots),
-                     files.tokenizer, files.template, files, name)
+    ident = tp_identity(identity(files), world)
+    if ranks is None or world == 1:
+        return TorchModel(net, num_blocks=num_blocks, block_size=block_size,
+                          num_slots=num_slots, identity=ident, device=device)
+    shard = build_shard(net, Shard(ranks.rank, world), Collectives(ranks.wire.compute, world))
+    return TorchModel(shard, num_blocks=num_blocks, block_size=block_size,
+                      num_slots=num_slots, identity=ident, device=device, graphs=False)

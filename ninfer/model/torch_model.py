@@ -145,7 +145,10 @@ class _InPlace(Sequence):
 
 class TorchModel:
     def __init__(self, net: HybridModel, *, num_blocks: int, block_size: int, num_slots: int,
-                 identity: str, device: str | torch.device = "cpu") -> None:
+                 identity: str, device: str | torch.device = "cpu",
+                 graphs: bool = True) -> None:
+        """`graphs` false: no CUDA graphs even where they would apply (a tensor-parallel
+        rank, whose forward holds collectives)."""
         self.net = net.eval()
         self.config = c = net.config
         self.dtype = next(net.parameters()).dtype
@@ -165,7 +168,8 @@ class TorchModel:
         self.mtp_k, self.mtp_v = blocks(range(c.mtp_num_hidden_layers) if net.has_mtp else ())
         # graphs need the kernels for the model's dtype (their first kernel and the greedy
         # keys are Triton's) and no MoE layer (routing syncs with the host)
-        graphs = kernels_for(torch.empty(0, dtype=self.dtype, device=self.device)) is not None \
+        graphs = graphs and kernels_for(
+            torch.empty(0, dtype=self.dtype, device=self.device)) is not None \
             and self.device.type == "cuda" and not any(
                 c.is_moe_layer(i) for i in range(c.num_hidden_layers))
         # with decode graphs each slot has a twin: a step run ahead of the engine writes

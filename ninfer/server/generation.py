@@ -285,6 +285,9 @@ class Generation:
                             code="capacity", retry_after=2)
         if isinstance(t, ev.RequestFailed) and t.failure == "invalid":
             return ApiError(400, t.message)
+        if isinstance(t, ev.RequestFailed) and t.failure == "interrupted":
+            return ApiError(503, "the model was lost (a tensor-parallel rank stopped); the "
+                            "server restarts", code="engine_stopped", retry_after=5)
         return ApiError(500, "internal error while generating", code="internal_error")
 
     def report(self, status: int | None = None) -> None:

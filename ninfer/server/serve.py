@@ -7,7 +7,6 @@ import argparse
 import contextlib
 import logging
 import os
-import signal
 import sys
 import threading
 from dataclasses import dataclass
@@ -170,6 +169,19 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="model dtype; default float32 on the CPU, bfloat16 on a GPU (where "
                         "the decode path's kernels are tuned for it)")
     p.add_argument("--device", default="cpu", help="torch device")
+    p.add_argument("--tensor-parallel", type=_positive, default=1, metavar="N",
+                   help="shard the model over N processes on this host (torch.distributed: "
+                        "gloo on the CPU, NCCL on GPUs, one GPU per rank): attention and GDN "
+                        "heads, MLP and expert widths and the vocabulary split N ways, one "
+                        "all-reduce per block. This process is rank 0 (engine, journal, HTTP) "
+                        "and spawns N-1 followers. The degree is part of the model identity: "
+                        "endpoints of another N are lost at a restart, never loaded. A rank "
+                        "that dies or stalls past --tp-timeout fails the requests in flight "
+                        "(503) and the server exits with status 3 for its supervisor to "
+                        "restart it. A model whose heads do not divide by N is refused")
+    p.add_argument("--tp-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="how long a tensor-parallel collective waits for another rank "
+                        "before the model counts as lost")
     p.add_argument("--torch-threads", type=_positive,
                    default=max(1, (os.cpu_count() or 2) // 2),
                    help="torch intra-op threads (CPU); more than the free cores makes every "
@@ -189,6 +201,18 @@ class Loaded:
     tokenizer: object
     template: object
     model_name: str
+    ranks: object = None  # ranks.Ranks of a tensor-parallel run
+
+    def close(self) -> None:
+        self.thread.stop()
+        self.thread.engine.journal.close()  # the current file, after any rotation
+        if self.thread.engine.files is not None:
+            self.thread.engine.files.close()  # writes in flight land
+        if self.ranks is not None:
+            self.ranks.close()  # the followers are told to stop
+
+
+EXIT_MODEL_LOST = 3  # the status `ninfer serve` exits with when a tensor-parallel rank is lost
 
 
 def _on_gpu(device: str) -> bool:
@@ -221,9 +245,14 @@ def load(args: argparse.Namespace) -> Loaded:
     from ..model.runtime import open_model
     torch.set_num_threads(args.torch_threads)
     dtype = args.dtype or default_dtype(args.device)
+    ranks = None
+    if args.tensor_parallel > 1:
+        from ..model.runtime import launch_ranks
+        ranks = launch_ranks(args.tensor_parallel, timeout=args.tp_timeout,
+                             threads=args.torch_threads, device=args.device)
     om = open_model(args.model, dtype=dtype, device=args.device,
                     kv_capacity=args.kv_capacity, num_slots=args.state_slots,
-                    mtp=args.spec == "mtp")
+                    mtp=args.spec == "mtp", ranks=ranks)
     if args.spec != "none" and om.model.graphs is not None:
         log.warning("--spec %s on %s: verifies and drafts replay CUDA graphs, but a verify "
                     "of 4 positions costs ~2.6 plain steps and only rounds without drafts "
@@ -253,7 +282,7 @@ def load(args: argparse.Namespace) -> Loaded:
                     grammars=Grammars.for_tokenizer(om.tokenizer, om.model.vocab_size))
     engine.recover()
     thread = EngineThread(engine, step_delay=args.step_delay_ms / 1000).start()
-    return Loaded(thread, om.tokenizer, om.template, om.name)
+    return Loaded(thread, om.tokenizer, om.template, om.name, ranks)
 
 
 def warm_up(server) -> None:
@@ -321,10 +350,8 @@ def aliases(pairs: list[tuple[str, str]], model_id: str) -> tuple[str, ...]:
     return tuple(name for name, _ in pairs)
 
 
-def build(args: argparse.Namespace, *, exit_on_failure: bool = False):
-    """The app, with loading and warm-up started in the background by its lifespan.
-    `exit_on_failure`: a failed load stops the process's server (SIGTERM to itself), so
-    `ninfer serve` exits non-zero for a supervisor to see, not answering 503 for ever."""
+def build(args: argparse.Namespace):
+    """The app, with loading and warm-up started in the background by its lifespan."""
     from ..model.runtime import DEFAULT_MODEL
     from .app import Server, create_app
 
@@ -351,8 +378,6 @@ def build(args: argparse.Namespace, *, exit_on_failure: bool = False):
         except Exception:
             log.critical("loading failed", exc_info=True)
             server.failed = True
-        if server.failed and exit_on_failure:
-            os.kill(os.getpid(), signal.SIGTERM)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -361,23 +386,81 @@ def build(args: argparse.Namespace, *, exit_on_failure: bool = False):
         yield
         loader.join(0)
         for item in loaded:
-            item.thread.stop()
-            item.thread.engine.journal.close()  # the current file, after any rotation
-            if item.thread.engine.files is not None:
-                item.thread.engine.files.close()  # writes in flight land
+            item.close()
+
+    def model_lost() -> str | None:
+        """Why the model is lost: the engine stopped on it, or (while idle, before a step
+        finds out) a follower rank exited."""
+        for item in loaded:
+            if item.thread.model_lost:
+                return str(item.thread.error)
+            if item.ranks is not None:
+                for rank, p in enumerate(item.ranks.followers, start=1):
+                    if p.poll() is not None:
+                        return f"tensor-parallel rank {rank} exited with status {p.returncode}"
+        return None
 
     app.router.lifespan_context = lifespan
+    app.state.model_lost = model_lost
     return app, server
+
+
+def check_tensor_parallel(args: argparse.Namespace) -> str | None:
+    """Why --tensor-parallel cannot shard this model (None: it can), read from its config
+    alone, before anything is spawned or served."""
+    if args.tensor_parallel == 1:
+        return None
+    from ..model.runtime import shard_refusal
+    refusal = shard_refusal(args.model, args.tensor_parallel)
+    return f"--tensor-parallel {args.tensor_parallel}: {refusal}" if refusal else None
+
+
+def watch_for_lost_model(model_lost, uvicorn_server, exit_code: list[int],
+                         grace: float = 1.0, failed=lambda: False) -> None:
+    """Stop the HTTP server once the model is lost (`model_lost()` says why; a rank died or
+    stalled): requests in flight have had their 503s; the process exits non-zero so that a
+    supervisor restarts it. Also once loading `failed()` (the log said why: a journal
+    another server holds, a model that does not load): status 1, not 503s for ever."""
+    import time
+    while not uvicorn_server.should_exit:
+        if failed():
+            exit_code[0] = 1
+            uvicorn_server.should_exit = True
+            return
+        why = model_lost()
+        if why:
+            log.critical("the model was lost (%s); exiting with status %d for a restart",
+                         why, EXIT_MODEL_LOST)
+            exit_code[0] = EXIT_MODEL_LOST
+            time.sleep(grace)
+            uvicorn_server.should_exit = True
+            return
+        time.sleep(0.1)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
     logging.getLogger("ninfer").setLevel(args.log_level.upper())
     logging.getLogger("transitions").setLevel(logging.WARNING)  # one line per trigger is noise
-    app, server = build(args, exit_on_failure=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                access_log=False, timeout_graceful_shutdown=5)
-    return 1 if server.failed else 0
+    refused = check_tensor_parallel(args)
+    if refused:
+        print(f"ninfer serve: error: {refused}", file=sys.stderr)
+        return 2
+    app, server = build(args)
+    config = uvicorn.Config(app, host=args.host, port=args.port,
+                            log_level=args.log_level.lower(), access_log=False,
+                            timeout_graceful_shutdown=5)
+    uvicorn_server = uvicorn.Server(config)
+    exit_code = [0]
+    threading.Thread(target=watch_for_lost_model,
+                     args=(app.state.model_lost, uvicorn_server, exit_code),
+                     kwargs={"failed": lambda: server.failed},
+                     name="ninfer-watch", daemon=True).start()
+    uvicorn_server.run()
+    if exit_code[0] == EXIT_MODEL_LOST:  # the journal is closed; a process group whose
+        logging.shutdown()               # peers are gone cannot be torn down cleanly
+        os._exit(EXIT_MODEL_LOST)
+    return exit_code[0]
 
 
 def main(argv: list[str] | None = None) -> int:

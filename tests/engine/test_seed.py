@@ -2,15 +2,21 @@
 the conversation's next request. It must get a valid plan, finish, and say what a Root run
 says; the journal must pass every check."""
 
+import pytest
+
 from ninfer.engine.engine import EngineConfig
 from ninfer.sim.harness import Harness
+
+from ..model.nets import TENSOR_PARALLEL, torch_factory
 
 PROMPT = tuple((i * 31 + 7) % 97 for i in range(1, 60))
 
 
 def _harness(spec="mtp", **kw):
+    # SimModel; the tiny torch model sharded over the ranks under NINFER_TEST_TENSOR_PARALLEL
     return Harness(EngineConfig(spec=spec, prefill_chunk=8, draft_tokens=3, check_reuse=True,
-                                **kw))
+                                **kw),
+                   model_factory=torch_factory if TENSOR_PARALLEL > 1 else None)
 
 
 def _events(h, kind, request=None):
@@ -76,6 +82,9 @@ def test_cancel_at_the_first_token():
     _next_turn_is_sound(h, cut)
 
 
+@pytest.mark.skipif(TENSOR_PARALLEL > 1, reason="the frontier is complete when SimModel's "
+                    "MTP layer keeps up; the random torch model's may lag, whole or sharded alike, "
+                    "and an earlier capture is published")
 def test_cancel_between_draft_and_verify():
     h = _harness()
     cut = h.submit(PROMPT, "s", max_tokens=64)

@@ -2,6 +2,7 @@
 
 import copy
 import functools
+import os
 
 import torch
 
@@ -29,16 +30,45 @@ def tiny_net(dtype=torch.float64) -> HybridModel:
     return net
 
 
-def torch_factory(num_blocks: int, block_size: int, num_slots: int) -> TorchModel:
+# NINFER_TEST_TENSOR_PARALLEL=N: `torch_factory` shards the tiny net over N gloo ranks
+# (followers spawned once per test process), so the torch-model tests run on the sharded model
+TENSOR_PARALLEL = int(os.environ.get("NINFER_TEST_TENSOR_PARALLEL", "1"))
+_ranks = None
+
+
+def plain_factory(num_blocks: int, block_size: int, num_slots: int) -> TorchModel:
     return TorchModel(tiny_net(), num_blocks=num_blocks, block_size=block_size,
                       num_slots=num_slots, identity="tiny-test")
+
+
+def torch_factory(num_blocks: int, block_size: int, num_slots: int):
+    """The tiny float64 model in the pools' sizes: whole, or sharded (see above)."""
+    if TENSOR_PARALLEL == 1:
+        return plain_factory(num_blocks, block_size, num_slots)
+    global _ranks
+    if _ranks is None:
+        from ninfer.model.ranks import launch
+        _ranks = launch(TENSOR_PARALLEL, timeout=120)
+    sizes = dict(num_blocks=num_blocks, block_size=block_size, num_slots=num_slots)
+    return _ranks.open("tests.model.nets:tiny_shard", sizes,
+                       local=lambda: tiny_shard(_ranks, **sizes))
+
+
+def tiny_shard(ranks, *, num_blocks: int, block_size: int, num_slots: int) -> TorchModel:
+    """One rank's shard of the tiny float64 net (every rank builds it alike)."""
+    from ninfer.model.shard import Collectives, Shard, build_shard
+    torch.set_num_threads(1)
+    net = build_shard(tiny_net(), Shard(ranks.rank, ranks.world),
+                      Collectives(ranks.wire.compute, ranks.world))
+    return TorchModel(net, num_blocks=num_blocks, block_size=block_size, num_slots=num_slots,
+                      identity=f"tiny-test-tp{ranks.world}", graphs=False)
 
 
 @torch.inference_mode()
 def reference(tokens, max_tokens: int, net=None):
     """A plain Root run in float64 on the CPU (of `net`'s weights, default the float64 tiny
     net): greedy tokens and, at each, the gap between the top two logits."""
-    model = torch_factory(4, 4, 2) if net is None else TorchModel(
+    model = plain_factory(4, 4, 2) if net is None else TorchModel(
         copy.deepcopy(net).to("cpu", torch.float64), num_blocks=4, block_size=4,
         num_slots=2, identity="reference")
     out = model.reference_generate(tokens, max_tokens)

@@ -11,7 +11,7 @@ from ninfer.engine.runner import Runner
 from ninfer.fuzz.stateful import LifecycleMachine
 from ninfer.sim.harness import Harness
 
-from .nets import agree_until_tie, reference, torch_factory
+from .nets import agree_until_tie, plain_factory, reference, torch_factory
 
 PROMPT = tuple((i * 7 + 3) % 97 for i in range(29))
 
@@ -167,7 +167,7 @@ def _adjusted_reference(prompt, max_tokens, adjust, stops=()):
     import torch
 
     from ninfer.model.hybrid import HybridState
-    model = torch_factory(4, 4, 2)
+    model = plain_factory(4, 4, 2)
     seq, out, gaps = list(prompt), [], []
     with torch.inference_mode():
         while len(out) < max_tokens and not (out and out[-1] in stops):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import socket
 import sqlite3
 import threading
@@ -23,7 +24,9 @@ OPTIONS = ["--spec", "mtp", "--max-concurrency", "2", "--prefill-chunk", "48",
            "--torch-threads", "1",
            "--max-context", "2048", "--kv-capacity", "8192", "--max-endpoints", "24",
            "--default-max-tokens", "8", "--auto-long-anchors", "2", "--keepalive", "0.5",
-           "--log-level", "INFO"]
+           "--log-level", "INFO",
+           # NINFER_TEST_TENSOR_PARALLEL=N: the session's server shards its model over N ranks
+           "--tensor-parallel", os.environ.get("NINFER_TEST_TENSOR_PARALLEL", "1")]
 
 
 @dataclasses.dataclass
@@ -123,7 +126,11 @@ def live(tmp_path_factory) -> Running:
         time.sleep(0.05)
     else:
         raise AssertionError("the server did not become ready")
-    yield Running(url, server, journal, first)
+    running = Running(url, server, journal, first)
+    degree = int(os.environ.get("NINFER_TEST_TENSOR_PARALLEL", "1"))
+    if degree > 1:  # the suite runs on what it says it runs on
+        assert running.engine.model.identity.endswith(f"-tp{degree}")
+    yield running
     userver.should_exit = True
     thread.join(10)
     sock.close()
