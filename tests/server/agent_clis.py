@@ -8,19 +8,16 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
-import sys
-import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-import httpx
 import pytest
 
 from .brief_model import brief_model
+from .serve_process import serving
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / ".cache" / "agent-clis"   # ignored by git (.gitignore)
@@ -44,12 +41,6 @@ def npm_install(package: str, prefix: str, command: str) -> Path:
     return where / "node_modules" / ".bin" / command
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Served(NamedTuple):
     url: str
     journal: Path
@@ -62,28 +53,6 @@ def served_with_defaults(tmp_path: Path) -> Iterator[Served]:
     block ends."""
     home, state = tmp_path / "ninfer-home", tmp_path / "state"
     brief_model(home)
-    port = _free_port()
     env = {**os.environ, "NINFER_HOME": str(home), "XDG_STATE_HOME": str(state)}
-    url = f"http://127.0.0.1:{port}"
-    log = tmp_path / "serve.log"
-    with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "ninfer.cli", "serve", "--port",
-                                    str(port)], env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert process.poll() is None, log.read_text()
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.2)
-        else:
-            raise AssertionError("ninfer serve did not become ready")
-        yield Served(url, state / "ninfer" / "journal.db", log)
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    with serving([], env, tmp_path / "serve.log") as running:
+        yield Served(running.url, state / "ninfer" / "journal.db", tmp_path / "serve.log")
