@@ -89,10 +89,7 @@ def _stream_responses(url: str, body: dict, headers: dict | None = None) -> dict
     usage = None
     with httpx.stream("POST", url + "/v1/responses", json={**body, "stream": True},
                       headers=headers or {}, timeout=600) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            event = json.loads(line[6:])
+        for event in sse_chunks(r.iter_lines()):
             if first is None and event["type"].endswith("_text.delta"):
                 first = time.perf_counter() - start
             elif event["type"] in ("response.completed", "response.incomplete"):
@@ -113,10 +110,7 @@ def _stream_messages(url: str, body: dict, headers: dict | None = None) -> dict:
     usage = None
     with httpx.stream("POST", url + "/v1/messages", json={**body, "stream": True},
                       headers=headers or {}, timeout=600) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            event = json.loads(line[6:])
+        for event in sse_chunks(r.iter_lines()):
             if first is None and event["type"] == "content_block_delta" \
                     and event["delta"]["type"] == "text_delta":
                 first = time.perf_counter() - start
