@@ -49,6 +49,12 @@ class SourceFile(NamedTuple):
         example is made of its functions)."""
         return bool(TEST_FOLDERS & set(self.path.split("/")[:-1]))
 
+    def tested_module(self) -> str:
+        """The module a test file is named for (`test_csv.py`, `test_csv_dialects.py`,
+        `datetimetester.py`: csv, csv, datetime): its name's first word, less the marks."""
+        stem = Path(self.path).stem.removeprefix("test_").removesuffix("_test")
+        return stem.removesuffix("tester").split("_")[0]
+
     @property
     def top(self) -> str:
         return self.path.removesuffix(".py").split("/")[0]
@@ -73,22 +79,14 @@ def scan(root: Path | None = None, modules: Sequence[str] | None = None,
             text = data.decode("utf-8")
         except UnicodeDecodeError:   # a few test files are in other encodings on purpose
             continue
-        if GENERATED_MARK in text or _tests_held_out(rel, held_out):
-            continue
         top = rel.parts[0].removesuffix(".py")
-        if modules is not None and top not in modules:
+        if GENERATED_MARK in text or (modules is not None and top not in modules):
             continue
-        split = "held_out" if top in held_out else "train"
-        out.append(SourceFile(rel.as_posix(), text, hashlib.sha256(data).hexdigest(), split))
+        file = SourceFile(rel.as_posix(), text, hashlib.sha256(data).hexdigest(),
+                          "held_out" if top in held_out else "train")
+        if not (file.suite and file.tested_module() in held_out):
+            out.append(file)
     return out
-
-
-def _tests_held_out(rel: Path, held_out: Sequence[str]) -> bool:
-    """Whether `rel` is a test suite's file named for a held-out module."""
-    if not TEST_FOLDERS & set(rel.parts[:-1]):
-        return False
-    stem = rel.stem.removeprefix("test_").removesuffix("_test").removesuffix("tester")
-    return any(stem == m or stem.startswith(m + "_") for m in held_out)
 
 
 def files_sha256(files: Sequence[SourceFile]) -> str:

@@ -132,3 +132,20 @@ def test_files_sha256_is_the_digest_of_a_sha256sum_listing():
     listing = "".join(f"{hashlib.sha256(f.text.encode()).hexdigest()}  {f.path}\n"
                       for f in files)
     assert files_sha256(files) == hashlib.sha256(listing.encode()).hexdigest()
+
+
+def test_the_test_suites_are_source_but_not_those_of_held_out_modules(tmp_path):
+    """A stdlib folder of our own: the test suites are read (marked as suites), except a
+    test named for a held-out module, a file not in UTF-8 and site-packages."""
+    files = {"csv.py": "x = 1\n", "json/__init__.py": "y = 2\n",
+             "test/test_json.py": "def test_a():\n    pass\n",
+             "test/test_csv.py": "import csv\n", "test/test_string_literals.py": "s = ''\n",
+             "test/datetimetester.py": "import datetime\n",
+             "site-packages/pkg/mod.py": "z = 3\n"}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    (tmp_path / "test" / "latin1.py").write_bytes("s = 'caf\xe9'\n".encode("latin-1"))
+    got = {f.path: (f.split, f.suite) for f in scan(tmp_path)}
+    assert got == {"csv.py": ("held_out", False), "json/__init__.py": ("train", False),
+                   "test/test_json.py": ("train", True)}
