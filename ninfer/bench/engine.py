@@ -19,7 +19,6 @@ from tqdm import tqdm
 
 from ..engine.engine import Engine, EngineConfig, Submit, run_until_idle
 from ..engine.runner import Runner
-from ..engine.speculative import AdaptiveDraft
 from ..lifecycle.request import SamplingParams
 from ..model.pools import BlockPool, SlotPool
 from ..model.runtime import open_model
@@ -82,9 +81,10 @@ class Bench:
         same verify. (A plain step computes with other kernels than a verify: on a GPU the
         two need not agree at the random weights' near-ties, so drafts forced from a plain
         decode were mostly rejected there, 1 of 9 on an H100.)"""
-        engine = self.engine(spec="mtp", max_concurrency=len(prompts), draft_tokens=3)
+        engine = self.engine(spec="mtp", max_concurrency=len(prompts), draft_tokens=3,
+                             adaptive_drafting=False)   # every round drafts 3, never pauses
         ids = [self.submit(engine, p, n, f"a{i}") for i, p in enumerate(prompts)]
-        restore = _force_drafts("reject", {}, every_round=True)
+        restore = _force_drafts("reject", {})
         try:
             run_until_idle(engine)
         finally:
@@ -169,18 +169,13 @@ class Bench:
         return {"bytes_per_kv_token": per_kv + per_mtp, "bytes_per_checkpoint_state": slot}
 
 
-def _force_drafts(mode: str | None, answers: dict, every_round: bool = False):
+def _force_drafts(mode: str | None, answers: dict):
     """Replace the drafter by one that is always right ("accept", from each prompt's
     precomputed greedy continuation in `answers`) or always wrong ("reject"); returns the
-    function that puts the real one back. `every_round`: drafting never pauses either
-    (each round drafts the most it may)."""
+    function that puts the real one back."""
     if mode is None:
         return lambda: None
     real = Runner.draft
-    adaptive = AdaptiveDraft.next_k, AdaptiveDraft.drafts_next
-    if every_round:
-        AdaptiveDraft.next_k = lambda self: self.max_tokens
-        AdaptiveDraft.drafts_next = lambda self: self.max_tokens > 0
 
     def forced(self, lane, seq, frontier, k, choice):
         real(self, lane, seq, frontier, k, choice)  # the drafter's own work still runs
@@ -198,7 +193,6 @@ def _force_drafts(mode: str | None, answers: dict, every_round: bool = False):
 
     def restore() -> None:
         Runner.draft = real
-        AdaptiveDraft.next_k, AdaptiveDraft.drafts_next = adaptive
     return restore
 
 
