@@ -99,11 +99,12 @@ def main(model: str | None = None, tokens: int = 128, rounds: int = 2, draft_tok
     rate = {spec: sum(c - 1 for c in counts) / sum((c - 1) / b for c, b in
                                                     zip(counts, best[spec], strict=True))
             for spec in servers}
+    drafted = _metric(servers["mtp"], "ninfer_drafted_tokens_total")
+    accepted = _metric(servers["mtp"], "ninfer_accepted_tokens_total")
     flat = {"none_tok_s": rate["none"], "mtp_tok_s": rate["mtp"],
             "speedup": rate["mtp"] / rate["none"],
             "same_replies": replies["none"] == replies["mtp"],
-            "acceptance": _metric(servers["mtp"], "ninfer_accepted_tokens_total")
-            / max(_metric(servers["mtp"], "ninfer_drafted_tokens_total"), 1),
+            "drafted": drafted, "acceptance": accepted / max(drafted, 1),
             "prompts": len(prompts), "tokens": tokens, "rounds": rounds,
             "draft_tokens": draft_tokens, "model": model or "default"}
     rows = [("none_tok_s", "decode, --spec none, batch 1", "tok/s", ",.1f"),
