@@ -21,7 +21,11 @@ import threading
 import time
 from pathlib import Path
 
+from . import serve_streams as streams
+
 OUTPUT = 64
+PREFILL_CHUNK = 512       # the server's default on the CPU
+LONG_PROMPT_LINES = 260   # about 7.9K tokens: the prompt prefilling beside a stream
 
 
 def _server(options: list[str]):
@@ -154,7 +158,7 @@ def main(spec: str = "none", threads: int = 1, json_path: str | None = None) -> 
     torch.set_num_threads(threads)
     journal = Path(tempfile.mkdtemp(prefix="ninfer-bench-")) / "journal.db"
     url, server, userver, thread = _server([
-        "--spec", spec, "--max-concurrency", "8", "--prefill-chunk", "512",
+        "--spec", spec, "--max-concurrency", "8", "--prefill-chunk", str(PREFILL_CHUNK),
         "--max-context", "8192", "--kv-capacity", "65536", "--journal", str(journal),
         "--torch-threads", str(threads), "--log-level", "WARNING", "--max-endpoints", "64"])
     results: dict = {"spec": spec, "torch_threads": threads, "output_tokens": OUTPUT}
@@ -234,6 +238,17 @@ def main(spec: str = "none", threads: int = 1, json_path: str | None = None) -> 
         results[f"tokens_per_s_{n}_streams"] = sum(r["usage"]["completion_tokens"]
                                                    for r in out) / elapsed
 
+    # 8 streams through HTTP against the bare engine at batch 8, and the CPU time per token
+    # of the serving path; a stream's gaps between tokens while a long prompt prefills
+    def prompt_ids(messages: list[dict]) -> tuple[int, ...]:
+        return tuple(om.tokenizer.encode(om.template.render(
+            messages, add_generation_prompt=True, enable_thinking=False)))
+    results.update(streams.through_http_vs_engine(
+        url, body, prompt_ids, _prompt, _stream, spec, OUTPUT, PREFILL_CHUNK, thread,
+        server.thread.native))
+    results.update(streams.gap_during_prefill(url, {**body, "messages": short},
+                                              _prompt(LONG_PROMPT_LINES, "long")))
+
     # disconnect-to-cancel: cut streams mid-decode
     server.thread.step_delay = 0.01
     host, port = url.removeprefix("http://").split(":")
@@ -291,6 +306,23 @@ def main(spec: str = "none", threads: int = 1, json_path: str | None = None) -> 
              f"{100 * (results['messages_vs_chat_decode'] - 1):+.1f}%")]
     rows += [(f"total tokens/s, {n} concurrent streams",
               f"{results[f'tokens_per_s_{n}_streams']:.0f}") for n in (1, 4, 8)]
+    rows += [("8 streams through HTTP / bare engine at batch 8, total tokens/s",
+              f"{results['http_8_streams_tokens_per_s']:.0f} / "
+              f"{results['bare_engine_batch_8_tokens_per_s']:.0f} "
+              f"({results['http_vs_engine_8_streams']:.2f}x; goal 0.9x)"),
+             ("  against the bare engine's batch-8 decode-only tokens/s",
+              f"{results['bare_engine_batch_8_decode_tokens_per_s']:.0f} "
+              f"({results['http_8_streams_vs_engine_decode']:.2f}x)"),
+             ("serving CPU per token: event loop / engine thread over bare",
+              f"{results['http_loop_cpu_us_per_token']:.0f} / "
+              f"{results['engine_thread_serving_cpu_us_per_token']:.0f} us"),
+             ("gap between chunks alone, median / max",
+              f"{results['gap_alone_ms_median']:.1f} / {results['gap_alone_ms_max']:.1f} ms"),
+             (f"  while {results['gap_prefill_tokens']} prompt tokens prefill "
+              f"({results['gap_prefill_s']:.1f} s), median / max",
+              f"{results['gap_during_prefill_ms_median']:.1f} / "
+              f"{results['gap_during_prefill_ms_max']:.1f} ms "
+              f"(max {results['gap_during_prefill_max_vs_usual']:.1f}x usual; goal 3x)")]
     rows.append(("client close to journaled RequestCancelled, median / max",
                  f"{results['close_to_cancelled_ms_median']:.1f} / "
                  f"{results['close_to_cancelled_ms_max']:.1f} ms"))

@@ -69,6 +69,11 @@ class EngineThread:
         return isinstance(self.error, ModelLost)
 
     @property
+    def native(self) -> threading.Thread:
+        """The thread the loop runs on (benchmarks read its CPU clock)."""
+        return self._thread
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
