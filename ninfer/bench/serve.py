@@ -244,7 +244,7 @@ def main(spec: str = "none", threads: int = 1, json_path: str | None = None) -> 
         return tuple(om.tokenizer.encode(om.template.render(
             messages, add_generation_prompt=True, enable_thinking=False)))
     results.update(streams.through_http_vs_engine(
-        url, body, prompt_ids, _prompt, _stream, spec, OUTPUT, PREFILL_CHUNK, thread,
+        url, body, prompt_ids, _prompt, spec, OUTPUT, PREFILL_CHUNK, thread,
         server.thread.native))
     results.update(streams.gap_during_prefill(url, {**body, "messages": short},
                                               _prompt(LONG_PROMPT_LINES, "long")))

@@ -1,9 +1,9 @@
 """`ninfer bench serve`'s figures for streams under load, each against a baseline of the same
 run:
 
-- 8 streams through HTTP against the bare engine at batch 8 (the same prompts and output
-  lengths, runs alternated): total tokens/s each way, and their ratio (the goal is ≥ 0.9);
-  the bare engine's decode-only tokens/s at batch 8 beside it;
+- 8 streams through HTTP (from a client process of their own) against the bare engine at
+  batch 8 (the same prompts and output lengths, runs alternated): total tokens/s each way,
+  and their ratio (the goal is ≥ 0.9); the bare engine's decode-only tokens/s beside it;
 - the CPU time per token the serving path spends on the event loop's thread (handing tokens
   over, detokenising, parsing, JSON, SSE framing, the socket) and what the engine thread
   spends per token over the bare engine's (routing events to requests), from the threads'
@@ -13,10 +13,12 @@ run:
 
 from __future__ import annotations
 
+import multiprocessing
 import statistics
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 
 STREAMS = 8
 
@@ -63,44 +65,52 @@ def bare_batch(spec: str, prompts: list[tuple[int, ...]], output: int, chunk: in
     return best
 
 
-def http_batch(stream: Callable[[dict], dict], bodies: list[dict], loop: threading.Thread,
-               engine: threading.Thread) -> dict:
-    """The bodies streamed together through HTTP: total tokens/s, and the CPU time per token
-    of the event loop's thread and of the engine thread."""
+def _clients(url: str, bodies: list[dict]) -> tuple[float, int]:
+    """In the client process: the bodies streamed together; (seconds, tokens)."""
+    from .serve import _stream
     out: list[dict] = []
     lock = threading.Lock()
 
     def client(body: dict) -> None:
-        r = stream(body)
+        r = _stream(url, body)
         with lock:
             out.append(r)
     workers = [threading.Thread(target=client, args=(b,)) for b in bodies]
-    loop_cpu, engine_cpu = thread_cpu_s(loop), thread_cpu_s(engine)
     start = time.perf_counter()
     for w in workers:
         w.start()
     for w in workers:
         w.join()
-    wall = time.perf_counter() - start
-    tokens = sum(r["usage"]["completion_tokens"] for r in out)
+    return time.perf_counter() - start, sum(r["usage"]["completion_tokens"] for r in out)
+
+
+def http_batch(clients: ProcessPoolExecutor, url: str, bodies: list[dict],
+               loop: threading.Thread, engine: threading.Thread) -> dict:
+    """The bodies streamed together through HTTP by a client process of their own (so the
+    clients' parsing does not hold the server's interpreter lock): total tokens/s, and the
+    CPU time per token of the event loop's thread and of the engine thread."""
+    loop_cpu, engine_cpu = thread_cpu_s(loop), thread_cpu_s(engine)
+    wall, tokens = clients.submit(_clients, url, bodies).result()
     return {"tokens_per_s": tokens / wall,
             "loop_cpu_us_per_token": 1e6 * (thread_cpu_s(loop) - loop_cpu) / tokens,
             "engine_cpu_us_per_token": 1e6 * (thread_cpu_s(engine) - engine_cpu) / tokens}
 
 
 def through_http_vs_engine(url: str, body: dict, prompt_ids: Callable[[list[dict]], tuple],
-                           prompt: Callable[[int, str], list[dict]], stream, spec: str,
+                           prompt: Callable[[int, str], list[dict]], spec: str,
                            output: int, chunk: int, loop: threading.Thread,
                            engine: threading.Thread) -> dict:
     """8 streams through HTTP and the bare engine at batch 8, alternated (best of 3 each)."""
     results: dict = {}
     http: list[dict] = []
     bare: list[dict] = []
-    for run in range(3):
-        messages = [prompt(6, f"s{STREAMS}-{run}-{i}") for i in range(STREAMS)]
-        bare.append(bare_batch(spec, [prompt_ids(m) for m in messages], output, chunk))
-        http.append(http_batch(lambda b: stream(url, b),
-                               [{**body, "messages": m} for m in messages], loop, engine))
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
+        clients.submit(time.time).result()  # started before anything is timed
+        for run in range(3):
+            messages = [prompt(6, f"s{STREAMS}-{run}-{i}") for i in range(STREAMS)]
+            bare.append(bare_batch(spec, [prompt_ids(m) for m in messages], output, chunk))
+            http.append(http_batch(clients, url, [{**body, "messages": m} for m in messages],
+                                   loop, engine))
     h = max(http, key=lambda r: r["tokens_per_s"])
     b = max(bare, key=lambda r: r["tokens_per_s"])
     results["http_8_streams_tokens_per_s"] = h["tokens_per_s"]

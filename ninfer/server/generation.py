@@ -16,8 +16,9 @@ from ..lifecycle.request import SamplingParams
 from . import logs
 from .bodies import PromptTokensDetails, Timings, Usage
 from .errors import ApiError
+from .handoff import handoff_for
 from .history import Known
-from .parsing import Delta, OutputParser, StopScanner
+from .parsing import Delta, OutputParser, StopScanner, merged
 
 log = logging.getLogger("ninfer.server")
 
@@ -62,6 +63,7 @@ class Generation:
         self.arrival = arrival if arrival is not None else time.time()
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[ev.Event] = asyncio.Queue()
+        self.handoff = handoff_for(self.loop)
         self.detok = server.tokenizer.stream()
         self.hidden_ids = frozenset(params.stop_tokens)
         self.stops = StopScanner(stops)
@@ -104,7 +106,7 @@ class Generation:
         self._pending = True
 
     def _from_engine(self, event: ev.Event) -> None:  # engine thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        self.handoff.put(self.queue, event)
 
     def cancel(self, reason: str) -> None:
         """Ask the engine to cancel now (at its next step boundary). Idempotent."""
@@ -121,6 +123,8 @@ class Generation:
 
     async def next_event(self, timeout: float | None = None) -> ev.Event | None:
         """The next event, or None on timeout."""
+        if not self.queue.empty():  # no waiting task to create
+            return self.queue.get_nowait()
         try:
             event = await asyncio.wait_for(self.queue.get(), timeout)
         except TimeoutError:
@@ -193,6 +197,15 @@ class Generation:
                     out += self.parser.finish()
                 return out
         return []
+
+    def absorb_ready(self, event: ev.Event) -> list[Delta]:
+        """Absorb `event` and every event already queued behind it, up to the terminal one:
+        tokens ready together (a step's, or several steps' when the loop fell behind) give
+        their text as one delta of each kind in turn, so a stream sends them in one event."""
+        out = self.absorb(event)
+        while self.terminal is None and not self.queue.empty():
+            out += self.absorb(self.queue.get_nowait())
+        return merged(out)
 
     def _remember(self) -> None:
         """The conversation's computed text and ids, for encoding its next turn."""

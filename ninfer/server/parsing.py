@@ -34,6 +34,17 @@ class Delta:
     call: ParsedCall | None = None
 
 
+def merged(deltas: list[Delta]) -> list[Delta]:
+    """Adjacent text deltas of one kind joined into one (a tool call stays its own)."""
+    out: list[Delta] = []
+    for d in deltas:
+        if out and d.kind != "tool_call" and out[-1].kind == d.kind:
+            out[-1] = Delta(d.kind, out[-1].text + d.text)
+        else:
+            out.append(d)
+    return out
+
+
 def _partial_tail(text: str, tags: tuple[str, ...]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of one of `tags`."""
     best = 0

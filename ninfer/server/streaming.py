@@ -44,7 +44,7 @@ from .bodies import (
 )
 from .errors import ApiError
 from .generation import Generation
-from .parsing import Delta
+from .parsing import Delta, merged
 
 log = logging.getLogger("ninfer.server")
 _DRAINING: set[asyncio.Task] = set()
@@ -334,6 +334,9 @@ class GenerationResponse(Response):
                           [(b"content-length", str(len(body)).encode())])
         await send({"type": "http.response.body", "body": body})
 
+    def _events(self, deltas: list[Delta]) -> list[bytes]:
+        return [data for d in deltas for data in self.shape.on_delta(d)]
+
     async def _stream(self, send, gone: asyncio.Event) -> None:
         gen, shape = self.gen, self.shape
         deltas = await self._until_started(send, gone)
@@ -344,22 +347,20 @@ class GenerationResponse(Response):
         self._last_sent = time.monotonic()
 
         async def emit(data: bytes) -> None:
-            if gone.is_set():
+            if gone.is_set() or not data:
                 return
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
-        for data in shape.opening():
-            await emit(data)
-        for d in deltas:
-            for data in shape.on_delta(d):
-                await emit(data)
+        # each wake-up sends what it has in one body: the tokens ready together share one
+        # event per kind (Generation.absorb_ready)
+        await emit(b"".join([*shape.opening(), *self._events(merged(deltas))]))
         keepalive = self.gen.server.settings.keepalive_s
         while gen.terminal is None and not gone.is_set():
             event = await gen.next_event(min(keepalive, 0.25))
             if event is not None:
-                for d in gen.absorb(event):
-                    for data in shape.on_delta(d):
-                        await emit(data)
+                data = self._events(gen.absorb_ready(event))
+                if data:
+                    await emit(b"".join(data))
                     self._last_sent = time.monotonic()
             # checked after events too: a prefill's progress events may come more often than
             # the wait's timeout, and they send nothing
@@ -368,6 +369,5 @@ class GenerationResponse(Response):
                 self._last_sent = time.monotonic()
         if gone.is_set():
             return
-        for data in shape.closing() if gen.succeeded else shape.failing(gen.failure()):
-            await emit(data)
+        await emit(b"".join(shape.closing() if gen.succeeded else shape.failing(gen.failure())))
         await send({"type": "http.response.body", "body": b"", "more_body": False})

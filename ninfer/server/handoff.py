@@ -1,0 +1,52 @@
+"""Events from the engine thread to the event loop, handed over in batches: one wake-up of
+the loop carries every event released since the last one was taken (a step's tokens for all
+its streams), where a `call_soon_threadsafe` per event wrote the loop's self-pipe once per
+token and woke the loop as often."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+
+from ..lifecycle import events as ev
+
+_HANDOFFS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+class Handoff:
+    """Puts events into asyncio queues of one loop, from any other thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, ev.Event]] = []
+
+    def put(self, queue: asyncio.Queue, event: ev.Event) -> None:
+        """`queue.put_nowait(event)` on the loop, soon; events keep their order."""
+        with self._lock:
+            self._pending.append((queue, event))
+            if len(self._pending) > 1:
+                return  # a wake-up is on its way, and takes this event too
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is closed: nobody is left to read these
+            with self._lock:
+                self._pending.clear()
+            raise
+
+    def _deliver(self) -> None:  # on the loop's thread
+        with self._lock:
+            batch, self._pending = self._pending, []
+        for queue, event in batch:
+            queue.put_nowait(event)
+
+
+def handoff_for(loop: asyncio.AbstractEventLoop) -> Handoff:
+    """The loop's one `Handoff` (created on first use)."""
+    with _LOCK:
+        handoff = _HANDOFFS.get(loop)
+        if handoff is None:
+            handoff = _HANDOFFS[loop] = Handoff(loop)
+        return handoff
