@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -32,6 +33,7 @@ from .exits import Exits
 from .grammar import ConstraintError, Grammars
 from .integrity import check_conservation
 from .live import Live
+from .pacing import PrefillPacing
 from .prefill import Prefill
 from .recovery import recover, rotate
 from .rounds import Rounds
@@ -84,6 +86,8 @@ class Engine:
             r.params, r.outputs, r.prompt, self.grammars)
         self._cp_ids = itertools.count(1)
         self.steps = 0
+        self.pacing = PrefillPacing(config.decode_gap, config.prefill_chunk,
+                                    clock=time.perf_counter) if config.decode_gap else None
 
     @property
     def waiting(self) -> deque[Request]:
@@ -140,17 +144,30 @@ class Engine:
             self.log.emit(ev.EndpointEvicted, endpoint=endpoint_id, reason="capacity")
         self._schedule()
         decoding = []
+        paced = self.pacing is not None and any(
+            x.request.state == "Active" for x in self.live.values())
+        limit = None
+        if self.pacing is not None:
+            self.pacing.begin()
+            limit = self.pacing.chunk(paced)
+        prefilled = 0
         for live in list(self.live.values()):
             if self.live.get(live.request.id) is not live:
                 continue  # preempted by another lane's allocation in this step
             state = live.request.state
             if state == "Prefilling" or (state == "Detached" and live not in finishing):
-                self._guarded(live, self._prefill_step)
+                if paced and prefilled:
+                    continue  # one prefill chunk per step beside decoding lanes
+                cursor = live.request.cursor
+                self._guarded(live, lambda x: self._prefill_step(x, limit))
+                prefilled += max(live.request.cursor - cursor, 0)
             elif live.request.state == "Active":
                 self._guarded(live, self._draft)
                 decoding.append(live)
         self._verify([x for x in decoding if self.live.get(x.request.id) is x])
         self.model.synchronize()  # the step commits: its device work has completed
+        if self.pacing is not None:
+            self.pacing.end(bool(decoding), prefilled)
         for live in finishing:  # a turn's state is published once it is complete and fenced
             if self.live.get(live.request.id) is live:
                 trigger = "cancel" if live.request.state == "Detached" else "finish"
@@ -317,8 +334,8 @@ class Engine:
 
     # --- lane work ---------------------------------------------------------------------
 
-    def _prefill_step(self, live: Live) -> None:
-        done = self.prefill.step(live)
+    def _prefill_step(self, live: Live, limit: int | None = None) -> None:
+        done = self.prefill.step(live, limit)
         if done is not None:
             machine.fire(live.request, "prefilled", first_token=done.first_token)
             if done.stop is not None:

@@ -40,13 +40,14 @@ class Prefill:
         self.reserve, self.free_slot = reserve, free_slot
         self.checkpoint_id, self.facts = checkpoint_id, facts
 
-    def step(self, live: Live) -> Prefilled | None:
-        """One chunk; `Prefilled` when the target is reached, else None (a detached prefill
-        stops at its goal, samples nothing and is never `Prefilled`)."""
+    def step(self, live: Live, limit: int | None = None) -> Prefilled | None:
+        """One chunk (of at most `limit` tokens, when given); `Prefilled` when the target is
+        reached, else None (a detached prefill stops at its goal, samples nothing and is
+        never `Prefilled`)."""
         request, lane, runner = live.request, live.lane, self.runner
         seq = request.sequence
         start = request.cursor
-        end = min(start + self.chunk, request.prefill_goal)
+        end = min(start + min(self.chunk, limit or self.chunk), request.prefill_goal)
         for split in self.checkpoint_positions(request):
             if start < split < end:
                 end = split

@@ -104,6 +104,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "2048 on a GPU, where a forward's host time does not grow with its "
                         "length (a 4K prompt prefilled at 21K tok/s in 512-token chunks, "
                         "82K in 2048-token ones on an H100)")
+    p.add_argument("--decode-gap", type=float, default=None, metavar="STEPS",
+                   help="while requests decode, another request's prompt is prefilled one "
+                        "chunk per step, sized from measured step times so a decoding "
+                        "client waits at most this many decode steps between tokens (0: "
+                        "every prefilling request takes a whole --prefill-chunk each step); "
+                        "default 3 on the CPU, 0 on a GPU, where a forward's host time does "
+                        "not shrink with its length, so smaller chunks only slow the prefill")
     p.add_argument("--spec", choices=["none", "mtp", "ngram"], default="none",
                    help="speculative decoding: the model's MTP head, n-gram lookup, or none")
     p.add_argument("--draft-tokens", type=_positive, default=3,
@@ -234,6 +241,13 @@ def default_prefill_chunk(device: str) -> int:
     return 2048 if _on_gpu(device) else 512
 
 
+def _decode_gap(args: argparse.Namespace) -> float:
+    """The engine's decode gap (0: prefill not paced): --decode-gap, else the device's."""
+    gap = args.decode_gap if args.decode_gap is not None else (
+        0.0 if _on_gpu(args.device) else 3.0)
+    return gap if gap > 1 else 0.0
+
+
 def load(args: argparse.Namespace) -> Loaded:
     """Model, journal, engine (recovered) and its running thread."""
     import torch
@@ -267,7 +281,8 @@ def load(args: argparse.Namespace) -> Loaded:
                           max_context=min(args.max_context, args.kv_capacity),
                           auto_anchors=max(args.auto_long_anchors, 0), keep_finished=False,
                           journal_tokens=args.journal_content == "tokens",
-                          detach_prefills=args.detach_prefills)
+                          detach_prefills=args.detach_prefills,
+                          decode_gap=_decode_gap(args))
     path = Path(args.journal) if args.journal else default_journal()
     path.parent.mkdir(parents=True, exist_ok=True)
     journal = Journal.open(path, identity={"model": om.model.identity, "model_name": om.name,

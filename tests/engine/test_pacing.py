@@ -1,0 +1,92 @@
+"""Prefill paced beside decoding lanes: the engine runs at most one prefill chunk per step
+while a lane decodes, so a decoding lane commits between any two prefill chunks of other
+requests; the chunk's size follows measured step times (a clock the test drives)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ninfer.engine.engine import EngineConfig, Submit, make_sim_engine
+from ninfer.engine.pacing import PrefillPacing
+from ninfer.lifecycle.request import SamplingParams
+
+
+def _run(decode_gap: float) -> list:
+    engine = make_sim_engine(EngineConfig(max_concurrency=3, prefill_chunk=8, max_context=512,
+                                          decode_gap=decode_gap), num_blocks=512)
+    engine.submit(Submit("decoder", tuple(range(10, 20)), None, "t",
+                         SamplingParams(max_tokens=200)))
+    for _ in range(3):
+        engine.step()
+    assert engine.requests["decoder"].state == "Active"
+    for name in ("long-a", "long-b"):
+        engine.submit(Submit(name, tuple(i % 90 + 3 for i in range(100)), None, "t",
+                             SamplingParams(max_tokens=2)))
+    events = []
+    for _ in range(500):
+        events += engine.step()
+        if all(n in engine.requests and engine.requests[n].state not in ("Queued", "Prefilling")
+               for n in ("long-a", "long-b")):
+            break
+    assert engine.requests["decoder"].state == "Active"  # decoding all along
+    return events
+
+
+def _chunks_without_a_decode_between(events) -> int:
+    """Prefill chunks of other requests that followed another with no commit of the
+    decoder in between."""
+    since_decode, count = 0, 0
+    for e in events:
+        if e.kind == "TokensCommitted" and e.request == "decoder":
+            since_decode = 0
+        elif e.kind == "PrefillAdvanced":
+            since_decode += 1
+            count += since_decode > 1
+    return count
+
+
+def test_a_decoding_lane_commits_between_any_two_prefill_chunks():
+    events = _run(decode_gap=3.0)
+    assert sum(e.kind == "PrefillAdvanced" for e in events) >= 4
+    assert _chunks_without_a_decode_between(events) == 0
+
+
+def test_unpaced_prefills_run_side_by_side():  # the rule above is the pacing's doing
+    assert _chunks_without_a_decode_between(_run(decode_gap=0.0)) > 0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _step(pacing: PrefillPacing, clock: Clock, seconds: float, decoded: bool,
+          prefilled: int) -> None:
+    pacing.begin()
+    clock.now += seconds
+    pacing.end(decoded, prefilled)
+
+
+def test_the_chunk_beside_decoding_lanes_settles_where_its_time_meets_the_target():
+    clock = Clock()
+    pacing = PrefillPacing(3.0, 512, smallest=16, clock=clock)
+    assert pacing.chunk(decoding=False) == 512 and pacing.chunk(decoding=True) == 16
+    _step(pacing, clock, 0.010, True, 0)          # a decode step: 10 ms
+    assert pacing.target_s == pytest.approx(0.015)
+    for _ in range(40):                             # a chunk costs 1 ms + 0.1 ms a token
+        size = pacing.chunk(decoding=True)
+        _step(pacing, clock, 0.010 + 0.001 + 0.0001 * size, True, size)
+    assert pacing.chunk(decoding=True) == pytest.approx(140, abs=3)
+    size = pacing.chunk(decoding=True)
+    _step(pacing, clock, 0.011, True, 5)            # a prompt's short tail moves nothing
+    assert pacing.chunk(decoding=True) == size
+    _step(pacing, clock, 1.0, False, 512)           # a prefill alone moves nothing either
+    assert pacing.chunk(decoding=True) == size
+
+
+def test_a_gap_of_one_step_or_less_is_refused():
+    with pytest.raises(ValueError):
+        PrefillPacing(1.0, 512, clock=Clock())
