@@ -27,9 +27,9 @@ class EngineConfig:
     check_reuse: bool = False        # compare every restore with a recomputation (tests)
     keep_finished: bool = True       # keep ended requests in `requests` (tests inspect them)
     detach_prefills: bool = False    # a cut fresh prefill goes on, detached, for its retry
-    # > 1: while lanes decode, one prefill chunk per step, sized from measured step times so
-    # a decoding client waits at most this many decode steps between tokens (pacing.py);
-    # 0: every prefilling lane takes a whole chunk each step
+    # > 1: while lanes decode, a long prompt (over one chunk) prefills one chunk per step,
+    # sized from measured step times so a decoding client waits at most this many decode
+    # steps between tokens (pacing.py); 0: every prefilling lane takes a whole chunk a step
     decode_gap: float = 0.0
 
     def __post_init__(self) -> None:

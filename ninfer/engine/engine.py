@@ -144,29 +144,34 @@ class Engine:
             self.log.emit(ev.EndpointEvicted, endpoint=endpoint_id, reason="capacity")
         self._schedule()
         decoding = []
+        # beside decoding lanes, a long prompt (more than one chunk) is paced: one chunk per
+        # step, sized by `pacing`; a prompt of one chunk goes in whole, once
         paced = self.pacing is not None and any(
             x.request.state == "Active" for x in self.live.values())
-        limit = None
         if self.pacing is not None:
             self.pacing.begin()
-            limit = self.pacing.chunk(paced)
-        prefilled = 0
+        prefilled, unpaced = 0, False
         for live in list(self.live.values()):
             if self.live.get(live.request.id) is not live:
                 continue  # preempted by another lane's allocation in this step
             state = live.request.state
             if state == "Prefilling" or (state == "Detached" and live not in finishing):
-                if paced and prefilled:
-                    continue  # one prefill chunk per step beside decoding lanes
+                long = paced and self._long_prompt(live.request)
+                if long and prefilled:
+                    continue  # one paced chunk per step
+                limit = self.pacing.chunk(True) if long else None
                 cursor = live.request.cursor
-                self._guarded(live, lambda x: self._prefill_step(x, limit))
-                prefilled += max(live.request.cursor - cursor, 0)
+                self._guarded(live, lambda x, n=limit: self._prefill_step(x, n))
+                if long:
+                    prefilled += max(live.request.cursor - cursor, 0)
+                else:
+                    unpaced = True
             elif live.request.state == "Active":
                 self._guarded(live, self._draft)
                 decoding.append(live)
         self._verify([x for x in decoding if self.live.get(x.request.id) is x])
         self.model.synchronize()  # the step commits: its device work has completed
-        if self.pacing is not None:
+        if self.pacing is not None and not unpaced:  # a step that says what a chunk costs
             self.pacing.end(bool(decoding), prefilled)
         for live in finishing:  # a turn's state is published once it is complete and fenced
             if self.live.get(live.request.id) is live:
@@ -333,6 +338,11 @@ class Engine:
             self._commit()
 
     # --- lane work ---------------------------------------------------------------------
+
+    def _long_prompt(self, request: Request) -> bool:
+        """More to prefill than one chunk (from where its plan started it)."""
+        base = request.plan.reuse_base if request.plan is not None else 0
+        return request.prefill_goal - base > self.config.prefill_chunk
 
     def _prefill_step(self, live: Live, limit: int | None = None) -> None:
         done = self.prefill.step(live, limit)

@@ -1,6 +1,7 @@
-"""Prefill paced beside decoding lanes: while any lane decodes, a prefill chunk is sized from
-measured step times so that a decoding client's gap between tokens (one decode step, plus
-the prefill chunk run in the same step) stays within `gap` decode steps.
+"""Prefill paced beside decoding lanes: while any lane decodes, a long prompt's prefill chunk
+is sized from measured step times so that a decoding client's gap between tokens (one
+decode step, plus the prefill chunk run in the same step) stays within `gap` decode steps.
+(A prompt of one chunk goes in whole: one longer gap, once.)
 
 The chunk whose time meets the target is found by proportion: the next size is the last one
 scaled by the target over the last chunk's time (a chunk's time grows with its length, so

@@ -123,13 +123,13 @@ class Generation:
 
     async def next_event(self, timeout: float | None = None) -> ev.Event | None:
         """The next event, or None on timeout."""
-        if not self.queue.empty():  # no waiting task to create
+        if not self.queue.empty():
             return self.queue.get_nowait()
-        try:
-            event = await asyncio.wait_for(self.queue.get(), timeout)
+        try:  # a timer on this task, not a task of its own as `wait_for` makes
+            async with asyncio.timeout(timeout):
+                return await self.queue.get()
         except TimeoutError:
             return None
-        return event
 
     async def wait_started(self) -> list[Delta]:
         """Until the request starts (or ends); raises 503 after the pending timeout. Returns

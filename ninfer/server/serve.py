@@ -105,8 +105,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "length (a 4K prompt prefilled at 21K tok/s in 512-token chunks, "
                         "82K in 2048-token ones on an H100)")
     p.add_argument("--decode-gap", type=float, default=None, metavar="STEPS",
-                   help="while requests decode, another request's prompt is prefilled one "
-                        "chunk per step, sized from measured step times so a decoding "
+                   help="while requests decode, another request's long prompt (over one "
+                        "--prefill-chunk) is prefilled one chunk per step, sized from "
+                        "measured step times so a decoding "
                         "client waits at most this many decode steps between tokens (0: "
                         "every prefilling request takes a whole --prefill-chunk each step); "
                         "default 3 on the CPU, 0 on a GPU, where a forward's host time does "
