@@ -110,8 +110,9 @@ def test_the_rules_catch_a_forbidden_import():
 
 TORCH_FREE = ["ninfer.lifecycle.machine", "ninfer.lifecycle.store", "ninfer.lifecycle.planner",
               "ninfer.lifecycle.checks", "ninfer.lifecycle.reader", "ninfer.lifecycle.journal",
-              "ninfer.engine.scheduler", "ninfer.model.protocol", "ninfer.model.pools",
-              "ninfer.model.sim_model", "ninfer.tools.journal", "ninfer.model.bpe",
+              "ninfer.engine.scheduler", "ninfer.engine.pacing", "ninfer.model.protocol",
+              "ninfer.model.pools", "ninfer.model.sim_model", "ninfer.tools.journal",
+              "ninfer.model.bpe",
               "ninfer.train.sources", "ninfer.train.examples", "ninfer.train.corpus",
               "ninfer.train.recipe", "ninfer.train.cli"]
 

@@ -5,6 +5,7 @@ same prompt and greedy output (so the decode rates compare like for like)."""
 from __future__ import annotations
 
 from ninfer.bench.serve import _stream, _stream_messages, _stream_responses
+from ninfer.bench.serve_streams import _gaps
 
 
 def test_the_responses_client_measures_like_the_chat_client(live):
@@ -29,3 +30,9 @@ def test_the_messages_client_measures_like_the_chat_client(live):
     assert anthropic["usage"]["completion_tokens"] == chat["usage"]["completion_tokens"] == 6
     assert anthropic["usage"]["prompt_tokens"] == chat["usage"]["prompt_tokens"]
     assert 0 < anthropic["ttft"] < anthropic["total"]
+
+
+def test_gaps_during_a_window_are_those_that_overlap_it():
+    arrivals = [0.0, 1.0, 2.0, 5.0, 6.0, 6.5]
+    assert _gaps(arrivals) == [3.0, 1.0, 0.5]            # the stream's first two left out
+    assert _gaps(arrivals, (2.5, 5.5)) == [3.0, 1.0]     # 2→5 spans the start, 5→6 the end
