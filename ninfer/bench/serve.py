@@ -5,8 +5,10 @@ they share the cores with the server: the figures are an upper bound on overhead
 Measures: time to first token (cold prompt, and the next turn reusing it), streaming
 overhead per token over the bare engine (chat completions, and the Responses API and
 Anthropic's Messages API against it: the same prompt and output, runs alternated), total
-tokens/s at 1/4/8 concurrent streams, and
-disconnect-to-cancel latency (client cut to RequestCancelled, and in engine steps)."""
+tokens/s at 1/4/8 concurrent streams, 8 streams through HTTP against the bare engine at
+batch 8 with the serving path's CPU time per token, a stream's gaps between tokens while a
+long prompt prefills (serve_streams.py), and disconnect-to-cancel latency (client cut to
+RequestCancelled, and in engine steps)."""
 
 from __future__ import annotations
 
@@ -72,6 +74,7 @@ def _stream(url: str, body: dict, headers: dict | None = None) -> dict:
     start = time.perf_counter()
     first = None
     usage = None
+    deltas = 0
     with httpx.stream("POST", url + "/v1/chat/completions", json={
             **body, "stream": True, "stream_options": {"include_usage": True}},
             headers=headers or {}, timeout=600) as r:
@@ -81,7 +84,10 @@ def _stream(url: str, body: dict, headers: dict | None = None) -> dict:
             elif first is None and chunk["choices"] and "role" not in chunk["choices"][0][
                     "delta"]:
                 first = time.perf_counter() - start
-    return {"ttft": first, "total": time.perf_counter() - start, "usage": usage}
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                deltas += 1
+    return {"ttft": first, "total": time.perf_counter() - start, "usage": usage,
+            "content_chunks": deltas}
 
 
 def _stream_responses(url: str, body: dict, headers: dict | None = None) -> dict:
@@ -313,6 +319,8 @@ def main(spec: str = "none", threads: int = 1, json_path: str | None = None) -> 
              ("  against the bare engine's batch-8 decode-only tokens/s",
               f"{results['bare_engine_batch_8_decode_tokens_per_s']:.0f} "
               f"({results['http_8_streams_vs_engine_decode']:.2f}x)"),
+             ("  tokens per content chunk at 8 streams (tokens ready together)",
+              f"{results['http_8_streams_tokens_per_chunk']:.2f}"),
              ("serving CPU per token: event loop / engine thread over bare",
               f"{results['http_loop_cpu_us_per_token']:.0f} / "
               f"{results['engine_thread_serving_cpu_us_per_token']:.0f} us"),
@@ -344,7 +352,8 @@ def add_bench_parser(bench_subparsers) -> argparse.ArgumentParser:
     p = bench_subparsers.add_parser(
         "serve", help="HTTP server vs bare engine: TTFT, streaming overhead per token (chat "
                       "completions, and the Responses API against it), tokens/s at 1/4/8 "
-                      "streams, disconnect-to-cancel latency")
+                      "streams, 8 streams against the bare engine at batch 8, gaps between "
+                      "tokens during a long prefill, disconnect-to-cancel latency")
     p.add_argument("--spec", choices=["none", "mtp", "ngram"], default="none")
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--json", default=None, help="also write the results to this file")

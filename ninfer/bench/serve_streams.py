@@ -65,8 +65,9 @@ def bare_batch(spec: str, prompts: list[tuple[int, ...]], output: int, chunk: in
     return best
 
 
-def _clients(url: str, bodies: list[dict]) -> tuple[float, int]:
-    """In the client process: the bodies streamed together; (seconds, tokens)."""
+def _clients(url: str, bodies: list[dict]) -> tuple[float, int, int]:
+    """In the client process: the bodies streamed together; (seconds, tokens, content
+    chunks)."""
     from .serve import _stream
     out: list[dict] = []
     lock = threading.Lock()
@@ -81,7 +82,8 @@ def _clients(url: str, bodies: list[dict]) -> tuple[float, int]:
         w.start()
     for w in workers:
         w.join()
-    return time.perf_counter() - start, sum(r["usage"]["completion_tokens"] for r in out)
+    return (time.perf_counter() - start, sum(r["usage"]["completion_tokens"] for r in out),
+            sum(r["content_chunks"] for r in out))
 
 
 def http_batch(clients: ProcessPoolExecutor, url: str, bodies: list[dict],
@@ -90,8 +92,8 @@ def http_batch(clients: ProcessPoolExecutor, url: str, bodies: list[dict],
     clients' parsing does not hold the server's interpreter lock): total tokens/s, and the
     CPU time per token of the event loop's thread and of the engine thread."""
     loop_cpu, engine_cpu = thread_cpu_s(loop), thread_cpu_s(engine)
-    wall, tokens = clients.submit(_clients, url, bodies).result()
-    return {"tokens_per_s": tokens / wall,
+    wall, tokens, chunks = clients.submit(_clients, url, bodies).result()
+    return {"tokens_per_s": tokens / wall, "tokens_per_chunk": tokens / chunks,
             "loop_cpu_us_per_token": 1e6 * (thread_cpu_s(loop) - loop_cpu) / tokens,
             "engine_cpu_us_per_token": 1e6 * (thread_cpu_s(engine) - engine_cpu) / tokens}
 
@@ -120,6 +122,7 @@ def through_http_vs_engine(url: str, body: dict, prompt_ids: Callable[[list[dict
     results["http_vs_engine_8_streams"] = h["tokens_per_s"] / b["tokens_per_s"]
     results["http_8_streams_vs_engine_decode"] = (
         h["tokens_per_s"] / results["bare_engine_batch_8_decode_tokens_per_s"])
+    results["http_8_streams_tokens_per_chunk"] = h["tokens_per_chunk"]
     results["http_loop_cpu_us_per_token"] = min(r["loop_cpu_us_per_token"] for r in http)
     results["engine_thread_serving_cpu_us_per_token"] = (
         min(r["engine_cpu_us_per_token"] for r in http)
