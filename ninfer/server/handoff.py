@@ -19,7 +19,7 @@ class Handoff:
     """Puts events into asyncio queues of one loop, from any other thread."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+        self._loop = weakref.ref(loop)   # the registry's key: held weakly, so it can go
         self._lock = threading.Lock()
         self._pending: list[tuple[asyncio.Queue, ev.Event]] = []
 
@@ -29,8 +29,11 @@ class Handoff:
             self._pending.append((queue, event))
             if len(self._pending) > 1:
                 return  # a wake-up is on its way, and takes this event too
+        loop = self._loop()
         try:
-            self.loop.call_soon_threadsafe(self._deliver)
+            if loop is None:
+                raise RuntimeError("the event loop is gone")
+            loop.call_soon_threadsafe(self._deliver)
         except RuntimeError:  # the loop is closed: nobody is left to read these
             with self._lock:
                 self._pending.clear()
