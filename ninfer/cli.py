@@ -7,6 +7,7 @@ import argparse
 import logging
 import os
 import sys
+import textwrap
 
 from .bench.agent import add_bench_parser as add_bench_agent_parser
 from .bench.drafting import add_bench_parser as add_bench_drafting_parser
@@ -52,7 +53,8 @@ def _bench_constrained(args: argparse.Namespace) -> int:
 def _make_tiny(args: argparse.Namespace) -> int:
     from .model.tiny import make_tiny
     print(make_tiny(args.dir, family=args.family, moe=args.moe, seed=args.seed,
-                    dtype=args.dtype, max_shard_bytes=args.max_shard_bytes))
+                    dtype=args.dtype, max_shard_bytes=args.max_shard_bytes,
+                    preset=args.preset))
     return 0
 
 
@@ -78,10 +80,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_journal_parser(sub)
 
+    from .model.presets import PRESETS
     tiny = sub.add_parser(
         "make-tiny", help="write a small random model (Hugging Face layout) with a trained BPE "
-                          "tokenizer, a chat template and an MTP layer")
-    tiny.add_argument("dir", help="output directory")
+                          "tokenizer, a chat template and an MTP layer",
+        description=textwrap.fill(
+            "Write a random model directory (config, safetensors weights, a trained BPE "
+            "tokenizer, a chat template, an MTP layer) of a preset shape.", 78)
+        + "\n\npresets:\n" + "\n".join(textwrap.fill(
+                        f"{name}: {p.description}", 78, initial_indent="  ",
+                        subsequent_indent="    ") for name, p in PRESETS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    tiny.add_argument("dir", help="output directory (absent or empty)")
+    tiny.add_argument("--preset", choices=list(PRESETS), default="tiny",
+                      help="the model's shape (default tiny; see above)")
     tiny.add_argument("--family", choices=["qwen3_next", "qwen3_5"], default="qwen3_next",
                       help="config and weight-name family (default qwen3_next)")
     tiny.add_argument("--moe", action="store_true", help="sparse-MoE blocks instead of dense MLPs")
