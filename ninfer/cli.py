@@ -12,6 +12,7 @@ import textwrap
 from .bench.agent import add_bench_parser as add_bench_agent_parser
 from .bench.drafting import add_bench_parser as add_bench_drafting_parser
 from .bench.serve import add_bench_parser as add_bench_serve_parser
+from .bench.serve_outside import add_outside_options
 from .server.serve import add_serve_parser
 from .tools.journal import add_journal_parser
 
@@ -179,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     journal_bench.add_argument("--repeat", type=int, default=3,
                                help="runs of each timed pass; the best is reported (default 3)")
     journal_bench.set_defaults(func=_bench_journal)
-    add_bench_serve_parser(bench_sub)
+    add_outside_options(add_bench_serve_parser(bench_sub))
     add_bench_agent_parser(bench_sub)
     add_bench_drafting_parser(bench_sub)
     return parser
