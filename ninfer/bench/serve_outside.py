@@ -92,6 +92,14 @@ def card_name(device: str) -> str:
     return next((w for w in words if re.search(r"\d", w)), "-".join(words) or "gpu")
 
 
+def default_json_path(device: str, card: str) -> str | None:
+    """Where a run's JSON goes without `--json`: bench/results/serve-cuda-<card>.json on
+    CUDA; nowhere on the CPU (printed only)."""
+    if not device.startswith("cuda"):
+        return None
+    return f"bench/results/serve-cuda-{card}.json"
+
+
 def rows(results: dict, sizes: Sizes) -> list[tuple]:
     """The table: each figure beside its baseline of the same run."""
     out: list[tuple] = [("port_open_s", "server start -> port answers", "s", ".2f"),
@@ -114,8 +122,8 @@ def rows(results: dict, sizes: Sizes) -> list[tuple]:
                 (f"decode_per_stream_tok_s_{n}", "  per stream (median)", "tok/s", ",.0f"),
                 (f"decode_gap_ms_median_{n}", "  gap between deltas, median", "ms", ".2f"),
                 (f"decode_gap_ms_p99_{n}", "  gap between deltas, p99", "ms", ".2f")]
-    out += [("prefill_gap_max_ms", f"a stream's largest gap while {sizes.long_prefill} "
-             "tokens prefill", "ms", ",.1f"),
+    out += [("prefill_gap_max_ms", f"a stream's largest gap, {sizes.long_prefill} prefilling",
+             "ms", ",.1f"),
             ("prefill_gap_usual_ms", "  its usual gap (median before)", "ms", ".2f"),
             ("prefill_gap_ratio", "  largest / usual", "x", ".1f")]
     if "mtp_ready_s" in results:
@@ -177,13 +185,17 @@ def main(device: str = "cpu", model: str | None = None, quick: bool = False,
     results.update(device=device, card=card, model=model or "default",
                    server_options=options, max_concurrency=lanes,
                    sizes=dataclasses.asdict(sizes))
-    if json_path is None and device.startswith("cuda"):
-        json_path = f"bench/results/serve-{device.split(':')[0]}-{card}.json"
+    results["next_turn_reused"] = all(
+        results[f"turn2_cached_tokens_{n}"] >= results[f"turn1_prompt_tokens_{n}"]
+        for n in sizes.next_turn)
+    if not results["next_turn_reused"]:
+        print("bench serve: a next turn did not reuse its conversation", file=sys.stderr)
+    json_path = json_path or default_json_path(device, card)
     title = f"ninfer bench serve, from outside: {model or 'the default model'} on {card}"
     print(title + f" ({lanes} lanes; streams past them wait)")
     report("serve-outside", results, rows(results, sizes),
            TARGETS if device.startswith("cuda") else {}, json_path)
-    return 0
+    return 0 if results["next_turn_reused"] else 1
 
 
 def add_outside_options(parser: argparse.ArgumentParser) -> None:
