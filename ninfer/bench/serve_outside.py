@@ -75,11 +75,14 @@ def server_options(device: str, model: str | None, sizes: Sizes, max_concurrency
                    extra: list[str]) -> list[str]:
     """`ninfer serve`'s options, every one that matters to a figure given explicitly: a
     context that holds the longest prompt and a stream beside it, a KV pool of four such
-    contexts (the conversations' endpoints stay while the probes go on)."""
+    contexts (the conversations' endpoints stay while the probes go on), the device's
+    dtype and prefill chunk (the server's defaults for it, written out)."""
+    from ..server.serve import default_dtype, default_prefill_chunk
     context = 1 << (sizes.longest + 2 * sizes.decode_tokens + 1024).bit_length()
-    return [*([model] if model else []), "--device", device, "--max-context", str(context),
-            "--kv-capacity", str(4 * context), "--max-concurrency", str(max_concurrency),
-            "--max-pending", "256", "--log-level", "INFO", *extra]
+    return [*([model] if model else []), "--device", device, "--dtype", default_dtype(device),
+            "--prefill-chunk", str(default_prefill_chunk(device)), "--max-context",
+            str(context), "--kv-capacity", str(4 * context), "--max-concurrency",
+            str(max_concurrency), "--max-pending", "256", "--log-level", "INFO", *extra]
 
 
 def card_name(device: str) -> str:
