@@ -140,23 +140,15 @@ def rows(results: dict, sizes: Sizes) -> list[tuple]:
     return out
 
 
-def main(device: str = "cpu", model: str | None = None, quick: bool = False,
-         json_path: str | None = None, max_concurrency: int | None = None,
-         extra: list[str] | None = None, sizes: Sizes | None = None, mtp: bool = True) -> int:
-    """Run every probe on a fresh server (and the decode probes on a second, `--spec mtp`),
-    print the table and write the JSON (default on CUDA: bench/results/serve-cuda-<card>.json).
-    Returns the exit status."""
+def measure(options: list[str], sizes: Sizes, prompts, mtp: bool = True) -> dict:
+    """Every probe on a fresh `--spec none` server started with `options`, then (with
+    `mtp`) the decode probes on a fresh `--spec mtp` one: the flat figures."""
     from tqdm import tqdm
 
     from .serve_probes import Probes
     from .server_process import started
-    from .sized_prompts import PromptMaker
     from .timed_stream import metric
-    sizes = sizes or sizes_for(device, quick)
-    lanes = max_concurrency or (8 if device.startswith("cuda") else 4)
-    options = server_options(device, model, sizes, lanes, extra or [])
-    prompts = PromptMaker.for_model(model)
-    keys = itertools.count(1)
+    keys = itertools.count(1)   # one numbering for both servers: no two prompts alike
     folder = Path(tempfile.mkdtemp(prefix="ninfer-bench-outside-"))
     results: dict = {}
     with started(["--spec", "none", *options], folder / "none") as server:
@@ -172,18 +164,33 @@ def main(device: str = "cpu", model: str | None = None, quick: bool = False,
         for step in tqdm(steps, desc="bench serve (--spec none)", file=sys.stderr,
                          leave=False):
             results.update(step())
-    if mtp:
-        with started(["--spec", "mtp", *options], folder / "mtp") as server:
-            probes = Probes(server.url, prompts, keys)
-            results["mtp_ready_s"] = server.ready_s
-            results.update(probes.decode(sizes.mtp_streams, sizes.decode_tokens, "mtp_"))
-            drafted = metric(server.url, "ninfer_drafted_tokens_total")
-            accepted = metric(server.url, "ninfer_accepted_tokens_total")
-        for n in sizes.mtp_streams:
-            results[f"mtp_over_none_{n}"] = (results[f"mtp_decode_tok_s_{n}"]
-                                             / results[f"decode_tok_s_{n}"])
-        results.update(mtp_drafted_tokens=drafted,
-                       mtp_acceptance=accepted / drafted if drafted else 0.0)
+    if not mtp:
+        return results
+    with started(["--spec", "mtp", *options], folder / "mtp") as server:
+        probes = Probes(server.url, prompts, keys)
+        results["mtp_ready_s"] = server.ready_s
+        results.update(probes.decode(sizes.mtp_streams, sizes.decode_tokens, "mtp_"))
+        drafted = metric(server.url, "ninfer_drafted_tokens_total")
+        accepted = metric(server.url, "ninfer_accepted_tokens_total")
+    for n in sizes.mtp_streams:
+        results[f"mtp_over_none_{n}"] = (results[f"mtp_decode_tok_s_{n}"]
+                                         / results[f"decode_tok_s_{n}"])
+    results.update(mtp_drafted_tokens=drafted,
+                   mtp_acceptance=accepted / drafted if drafted else 0.0)
+    return results
+
+
+def main(device: str = "cpu", model: str | None = None, quick: bool = False,
+         json_path: str | None = None, max_concurrency: int | None = None,
+         extra: list[str] | None = None, sizes: Sizes | None = None, mtp: bool = True) -> int:
+    """`measure` on `model` on `device`, the table printed and the JSON written (default
+    on CUDA: bench/results/serve-cuda-<card>.json). Fails (1) when a next turn did not
+    reuse its conversation: a probe that measures a re-prefill measures the wrong thing."""
+    from .sized_prompts import PromptMaker
+    sizes = sizes or sizes_for(device, quick)
+    lanes = max_concurrency or (8 if device.startswith("cuda") else 4)
+    options = server_options(device, model, sizes, lanes, extra or [])
+    results = measure(options, sizes, PromptMaker.for_model(model), mtp)
     card = card_name(device)
     results.update(device=device, card=card, model=model or "default",
                    server_options=options, max_concurrency=lanes,
@@ -193,11 +200,11 @@ def main(device: str = "cpu", model: str | None = None, quick: bool = False,
         for n in sizes.next_turn)
     if not results["next_turn_reused"]:
         print("bench serve: a next turn did not reuse its conversation", file=sys.stderr)
-    json_path = json_path or default_json_path(device, card)
-    title = f"ninfer bench serve, from outside: {model or 'the default model'} on {card}"
-    print(title + f" ({lanes} lanes; streams past them wait)")
+    print(f"ninfer bench serve, from outside: {model or 'the default model'} on {card} "
+          f"({lanes} lanes; streams past them wait)")
     report("serve-outside", results, rows(results, sizes),
-           TARGETS if device.startswith("cuda") else {}, json_path)
+           TARGETS if device.startswith("cuda") else {},
+           json_path or default_json_path(device, card))
     return 0 if results["next_turn_reused"] else 1
 
 
