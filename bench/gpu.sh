@@ -52,10 +52,13 @@ for stage in $stages; do
         python3 -m ninfer.bench.profile "$OUT/profile-h200.json" || status=1
         ;;
     serve)  # the server from outside through HTTP, on anchor-1b made by the product's maker
-        anchor=/tmp/ninfer-anchor-1b
+        # (--text-head: its greedy tokens are ones the tokenizer decodes, so streams carry
+        # text; the engine stages' /tmp/ninfer-anchor-1b keeps its random head)
+        anchor=/tmp/ninfer-anchor-1b-text
         if [ ! -f "$anchor/model.safetensors" ]; then
             rm -rf "$anchor"
-            python3 -m ninfer.cli make-tiny --preset anchor-1b "$anchor" || { status=1; continue; }
+            python3 -m ninfer.cli make-tiny --preset anchor-1b --text-head "$anchor" \
+                || { status=1; continue; }
         fi
         card=$(python3 -c "from ninfer.bench.serve_outside import card_name; print(card_name('cuda'))")
         python3 -m ninfer.cli bench serve --device cuda --model "$anchor" \

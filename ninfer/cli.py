@@ -55,7 +55,7 @@ def _make_tiny(args: argparse.Namespace) -> int:
     from .model.tiny import make_tiny
     print(make_tiny(args.dir, family=args.family, moe=args.moe, seed=args.seed,
                     dtype=args.dtype, max_shard_bytes=args.max_shard_bytes,
-                    preset=args.preset))
+                    preset=args.preset, text_head=args.text_head))
     return 0
 
 
@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
     tiny.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                       help="stored weight dtype (default bfloat16)")
+    tiny.add_argument("--text-head", action="store_true",
+                      help="zero the LM head's rows past the tokenizer's ids, so greedy "
+                           "decoding writes text a client sees (bench serve's model)")
     tiny.add_argument("--max-shard-bytes", type=int, default=None,
                       help="shard the weights (with an index) above this many bytes")
     tiny.set_defaults(func=_make_tiny)

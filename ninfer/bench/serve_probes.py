@@ -113,10 +113,12 @@ class Probes:
             out[f"{prefix}decode_first_run_tok_s_{n}"] = _total_rate(first)
             out[f"{prefix}decode_per_stream_tok_s_{n}"] = statistics.median(
                 r.decode_tok_s for r in runs)
-            gaps = sorted(g for r in runs for g in r.gaps)
+            gaps = sorted(g for r in runs for g in r.gaps) or [float("nan")]  # no text
             out[f"{prefix}decode_gap_ms_median_{n}"] = 1000 * statistics.median(gaps)
             out[f"{prefix}decode_gap_ms_p99_{n}"] = 1000 * gaps[min(len(gaps) - 1,
                                                                    int(0.99 * len(gaps)))]
+            out[f"{prefix}decode_deltas_per_token_{n}"] = (
+                sum(len(r.arrivals) for r in runs) / sum(r.completion_tokens for r in runs))
         return out
 
     def gap_under_prefill(self, long_prompt: int, stream_tokens: int,

@@ -16,6 +16,7 @@ from .serve import sse_chunks
 class Timed(NamedTuple):
     sent: float                 # perf_counter when the request was sent
     arrivals: list[float]       # perf_counter at each streamed delta (role-only ones aside)
+    #                             or at the finish when no delta came before it
     end: float                  # perf_counter when the stream ended
     text: str                   # the reply's content
     usage: dict                 # the server's: prompt_tokens, completion_tokens, cached
@@ -72,7 +73,9 @@ def stream_chat(url: str, messages: list[dict], *, session: str, max_tokens: int
                 usage = chunk["usage"]
             for choice in chunk.get("choices") or ():
                 delta = {k: v for k, v in choice["delta"].items() if k != "role"}
-                if delta:
+                # the finish counts when nothing came before it: a reply whose tokens decode
+                # to no text had its first token by then
+                if delta or (choice.get("finish_reason") and not arrivals):
                     arrivals.append(time.perf_counter())
                     text.append(delta.get("content") or "")
             if stop is not None and stop.is_set():

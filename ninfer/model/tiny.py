@@ -209,14 +209,18 @@ def _write_json(path: Path, obj: Any) -> None:
 def make_tiny(out_dir: str | Path, *, family: str = "qwen3_next", moe: bool = False,
               seed: int = 0, dtype: torch.dtype | str = torch.bfloat16,
               max_shard_bytes: int | None = None, preset: str = "tiny",
-              **config_overrides: Any) -> Path:
+              text_head: bool = False, **config_overrides: Any) -> Path:
     """Write a random model directory of the shape `preset` (a key of PRESETS; the default
     is the tiny shape) at `out_dir` (absent or empty) and return it.
 
     `family` is "qwen3_next" or "qwen3_5" (text-only config); `config_overrides` replace
     ModelConfig fields of the preset's shape (e.g. `mtp_num_hidden_layers=0`). `dtype` (a
     torch dtype or its name, e.g. "float32") is the stored weights'. With `max_shard_bytes`
-    the weights are sharded with a model.safetensors.index.json."""
+    the weights are sharded with a model.safetensors.index.json. With `text_head`, the LM
+    head's rows past the tokenizer's ids are zero: their logits (0) lose to the largest of
+    the real rows' (~N(0, 1) each), so greedy decoding writes only tokens the tokenizer
+    decodes, as a trained model does, and a client sees text (anchor-1b's head has 151,936
+    rows for 4,080 tokens: otherwise nearly every token it writes decodes to nothing)."""
     weight_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
     if weight_dtype not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be a floating point torch dtype, got {dtype!r}")
@@ -248,5 +252,8 @@ def make_tiny(out_dir: str | Path, *, family: str = "qwen3_next", moe: bool = Fa
 
     tensors = {name: random_tensor(name, shape, seed).to(weight_dtype)
                for name, shape in expected_tensors(config).items()}
+    if text_head:
+        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        tensors[head][max(ids.values()) + 1:] = 0
     _write_weights(out, tensors, max_shard_bytes)
     return out

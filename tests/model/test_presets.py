@@ -60,3 +60,18 @@ def test_the_help_lists_the_presets(capsys):
         cli.main(["make-tiny", "--help"])
     out = capsys.readouterr().out
     assert "anchor-1b: the GPU benchmarks' model" in out and "tiny: the default shape" in out
+
+
+def test_a_text_head_writes_only_tokens_the_tokenizer_decodes(tmp_path):
+    """--text-head: the LM head's rows past the tokenizer's ids are zero (here 4,080 ids of a
+    head of 8,192 rows); the rows of real tokens keep their random weights."""
+    from safetensors.torch import load_file
+
+    from ninfer.model.tokenizer import Tokenizer
+    out = tiny.make_tiny(tmp_path / "m", vocab_size=8192, text_head=True, dtype="float32")
+    head = load_file(out / "model.safetensors")["lm_head.weight"]
+    tokens = Tokenizer.from_dir(out).vocab_size
+    assert head.shape[0] == 8192 and tokens < 8192
+    assert not head[tokens:].any() and head[:tokens].abs().sum(dim=1).min() > 0
+    hidden = torch.randn(64, head.shape[1])
+    assert (hidden @ head.T).argmax(dim=1).max() < tokens   # greedy: a real token each time
