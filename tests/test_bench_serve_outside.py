@@ -114,3 +114,26 @@ def test_the_card_names_the_file(monkeypatch):
     assert card_name("cpu") == "cpu"
     assert default_json_path("cuda", "h100") == "bench/results/serve-cuda-h100.json"
     assert default_json_path("cpu", "cpu") is None
+
+
+def test_a_cuda_run_reports_against_the_issue_goals(results, tmp_path, monkeypatch):
+    """The CUDA path's reporting, without a GPU: the figures of the CPU run standing in for
+    a CUDA run's; the goals of the sizes measured are checked, the JSON goes to the card's
+    file, and the server got the GPU's options."""
+    seen = {}
+
+    def measure(options, sizes, prompts, mtp=True):
+        seen["options"] = options
+        return {k: v for k, v in results.items() if k not in ("device", "card")}
+    monkeypatch.setattr(serve_outside, "measure", measure)
+    monkeypatch.setattr(serve_outside, "card_name", lambda device: "h100")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    assert serve_outside.main(device="cuda", sizes=QUICK) == 0
+    doc = json.loads((tmp_path / "bench/results/serve-cuda-h100.json").read_text())
+    assert set(doc["targets"]) == {"ready_s", "prefill_gap_ratio"}   # the rest: not measured
+    assert doc["results"]["card"] == "h100" and doc["results"]["max_concurrency"] == 8
+    options = seen["options"]
+    assert options[options.index("--device") + 1] == "cuda"
+    assert options[options.index("--dtype") + 1] == "bfloat16"
+    assert options[options.index("--prefill-chunk") + 1] == "2048"

@@ -202,8 +202,9 @@ def main(device: str = "cpu", model: str | None = None, quick: bool = False,
         print("bench serve: a next turn did not reuse its conversation", file=sys.stderr)
     print(f"ninfer bench serve, from outside: {model or 'the default model'} on {card} "
           f"({lanes} lanes; streams past them wait)")
-    report("serve-outside", results, rows(results, sizes),
-           TARGETS if device.startswith("cuda") else {},
+    targets = {k: t for k, t in TARGETS.items() if k in results} \
+        if device.startswith("cuda") else {}   # (--quick measures fewer sizes)
+    report("serve-outside", results, rows(results, sizes), targets,
            json_path or default_json_path(device, card))
     return 0 if results["next_turn_reused"] else 1
 
