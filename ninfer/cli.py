@@ -13,6 +13,7 @@ from .bench.agent import add_bench_parser as add_bench_agent_parser
 from .bench.drafting import add_bench_parser as add_bench_drafting_parser
 from .bench.serve import add_bench_parser as add_bench_serve_parser
 from .bench.serve_outside import add_outside_options
+from .model.presets import PRESETS
 from .server.serve import add_serve_parser
 from .tools.journal import add_journal_parser
 
@@ -81,16 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_journal_parser(sub)
 
-    from .model.presets import PRESETS
     tiny = sub.add_parser(
         "make-tiny", help="write a small random model (Hugging Face layout) with a trained BPE "
                           "tokenizer, a chat template and an MTP layer",
         description=textwrap.fill(
             "Write a random model directory (config, safetensors weights, a trained BPE "
             "tokenizer, a chat template, an MTP layer) of a preset shape.", 78)
-        + "\n\npresets:\n" + "\n".join(textwrap.fill(
-                        f"{name}: {p.description}", 78, initial_indent="  ",
-                        subsequent_indent="    ") for name, p in PRESETS.items()),
+        + "\n\npresets:\n" + "\n".join(
+            textwrap.fill(f"{name}: {p.description}", 78, initial_indent="  ",
+                          subsequent_indent="    ") for name, p in PRESETS.items()),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     tiny.add_argument("dir", help="output directory (absent or empty)")
     tiny.add_argument("--preset", choices=list(PRESETS), default="tiny",
