@@ -4,11 +4,17 @@
 # /tmp/site (never the project's pins), then runs the kernel tests on real shapes and the
 # benchmarks, writing JSON results to $OUT (or bench/results/ when OUT is unset).
 #
-#   bench/gpu.sh [kernels] [engine] [baseline] [skinny] [gdn-sweep] [profile]
+#   bench/gpu.sh [kernels] [engine] [baseline] [skinny] [gdn-sweep] [profile] [serve]
 #                (default: the first three)
 #
-# Wheels to carry (pip download --no-deps on a machine with network): fla-core,
-# transitions, sqlite-utils, sqlite-fts4, click-default-group (README.md, "On the GPU").
+# Wheels to carry in .whl/ (pip download --no-deps for CPython 3.12 manylinux x86_64 on a
+# machine with network; one version of each, the project venv's; README.md, "On the GPU"):
+# fla-core (baseline); transitions, sqlite-utils, sqlite-fts4, click-default-group; and for
+# `serve` (the server and its HTTP clients): fastapi, starlette, uvicorn, pydantic,
+# pydantic-core, annotated-types, annotated-doc, typing-inspection, typing-extensions,
+# opentelemetry-api, anyio, sniffio, idna, h11, click, httpx, httpcore, certifi,
+# prometheus-client, llguidance, pluggy, python-dateutil. The image brings torch, triton,
+# numpy, jinja2, tokenizers, safetensors, tqdm and six.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
@@ -44,6 +50,19 @@ for stage in $stages; do
         ;;
     profile)  # kernel by kernel: the decode graphs (with and without PDL), the prefill
         python3 -m ninfer.bench.profile "$OUT/profile-h200.json" || status=1
+        ;;
+    serve)  # the server from outside through HTTP, on anchor-1b made by the product's maker
+        # (--text-head: its greedy tokens are ones the tokenizer decodes, so streams carry
+        # text; the engine stages' /tmp/ninfer-anchor-1b keeps its random head)
+        anchor=/tmp/ninfer-anchor-1b-text
+        if [ ! -f "$anchor/model.safetensors" ]; then
+            rm -rf "$anchor"
+            python3 -m ninfer.cli make-tiny --preset anchor-1b --text-head "$anchor" \
+                || { status=1; continue; }
+        fi
+        card=$(python3 -c "from ninfer.bench.serve_outside import card_name; print(card_name('cuda'))")
+        python3 -m ninfer.cli bench serve --device cuda --model "$anchor" \
+            --json "$OUT/serve-cuda-$card.json" ${SERVE_ARGS:-} || status=1
         ;;
     baseline)
         python3 -c "from ninfer.bench.gpu_engine import baseline; raise SystemExit(baseline('$OUT/baseline-h200.json'))" || status=1

@@ -7,10 +7,13 @@ import argparse
 import logging
 import os
 import sys
+import textwrap
 
 from .bench.agent import add_bench_parser as add_bench_agent_parser
 from .bench.drafting import add_bench_parser as add_bench_drafting_parser
 from .bench.serve import add_bench_parser as add_bench_serve_parser
+from .bench.serve_outside import add_outside_options
+from .model.presets import PRESETS
 from .server.serve import add_serve_parser
 from .tools.journal import add_journal_parser
 
@@ -52,7 +55,8 @@ def _bench_constrained(args: argparse.Namespace) -> int:
 def _make_tiny(args: argparse.Namespace) -> int:
     from .model.tiny import make_tiny
     print(make_tiny(args.dir, family=args.family, moe=args.moe, seed=args.seed,
-                    dtype=args.dtype, max_shard_bytes=args.max_shard_bytes))
+                    dtype=args.dtype, max_shard_bytes=args.max_shard_bytes,
+                    preset=args.preset, text_head=args.text_head))
     return 0
 
 
@@ -80,14 +84,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser(
         "make-tiny", help="write a small random model (Hugging Face layout) with a trained BPE "
-                          "tokenizer, a chat template and an MTP layer")
-    tiny.add_argument("dir", help="output directory")
+                          "tokenizer, a chat template and an MTP layer",
+        description=textwrap.fill(
+            "Write a random model directory (config, safetensors weights, a trained BPE "
+            "tokenizer, a chat template, an MTP layer) of a preset shape.", 78)
+        + "\n\npresets:\n" + "\n".join(
+            textwrap.fill(f"{name}: {p.description}", 78, initial_indent="  ",
+                          subsequent_indent="    ") for name, p in PRESETS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    tiny.add_argument("dir", help="output directory (absent or empty)")
+    tiny.add_argument("--preset", choices=list(PRESETS), default="tiny",
+                      help="the model's shape (default tiny; see above)")
     tiny.add_argument("--family", choices=["qwen3_next", "qwen3_5"], default="qwen3_next",
                       help="config and weight-name family (default qwen3_next)")
     tiny.add_argument("--moe", action="store_true", help="sparse-MoE blocks instead of dense MLPs")
     tiny.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
     tiny.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                       help="stored weight dtype (default bfloat16)")
+    tiny.add_argument("--text-head", action="store_true",
+                      help="zero the LM head's rows past the tokenizer's ids, so greedy "
+                           "decoding writes text a client sees (bench serve's model)")
     tiny.add_argument("--max-shard-bytes", type=int, default=None,
                       help="shard the weights (with an index) above this many bytes")
     tiny.set_defaults(func=_make_tiny)
@@ -167,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     journal_bench.add_argument("--repeat", type=int, default=3,
                                help="runs of each timed pass; the best is reported (default 3)")
     journal_bench.set_defaults(func=_bench_journal)
-    add_bench_serve_parser(bench_sub)
+    add_outside_options(add_bench_serve_parser(bench_sub))
     add_bench_agent_parser(bench_sub)
     add_bench_drafting_parser(bench_sub)
     return parser

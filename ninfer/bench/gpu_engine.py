@@ -1,5 +1,5 @@
 """The engine on the GPU (`bench/gpu.sh engine` / `baseline`): anchor-1b, a 0.73B random
-Qwen3-Next in bf16 (../shared/TARGETS.md's shape), against its roofline and against
+Qwen3-Next in bf16 (`ninfer make-tiny --preset anchor-1b`), against its roofline and against
 transformers + fla on the same weights, each measured in the run that reports it.
 
 - roofline: bytes read per decode step (every weight but the embedding table and the MTP
@@ -45,21 +45,16 @@ from ..flags import FLAGS, override
 from .report import write_line
 
 ANCHOR_DIR = Path("/tmp/ninfer-anchor-1b")
-ANCHOR = dict(
-    vocab_size=151_936, hidden_size=1024, num_hidden_layers=24,
-    layer_types=(("linear_attention",) * 3 + ("full_attention",)) * 6,
-    num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=8,
-    linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
-    linear_conv_kernel_dim=4, intermediate_size=3072, tie_word_embeddings=False)
 DECODE_TOKENS = 128
 
 
 def anchor_dir() -> Path:
-    """The anchor-1b model directory (random bf16 weights), written once per machine."""
+    """The anchor-1b model directory (`make_tiny`'s preset, random bf16 weights), written
+    once per machine."""
     if not (ANCHOR_DIR / "config.json").exists():
         from ..model.tiny import make_tiny
         t0 = time.perf_counter()
-        make_tiny(ANCHOR_DIR, dtype="bfloat16", **ANCHOR)
+        make_tiny(ANCHOR_DIR, dtype="bfloat16", preset="anchor-1b")
         print(f"anchor-1b written in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return ANCHOR_DIR
 

@@ -6,7 +6,7 @@ and without them, in one run.
   M = 1 and 8: F.linear (cuBLAS), the tiling `tiles_for` picks, and the candidate tilings,
   each as a CUDA graph of calls over distinct copies of the weight (more bytes than L2
   holds: the model reads each weight once a step), in us per call and TB/s of weight read.
-- model: anchor-1b (gpu_engine's shape) with random bf16 weights built on the device (no
+- model: anchor-1b (make_tiny's preset) with random bf16 weights built on the device (no
   files), decode graphs captured with the flag `skinny_rows` 0 (cuBLAS and the fused
   elementwise kernels: before) and 8 (after), through `ninfer.flags.override`: a graph
   replay at batch 1 and 8 by CUDA events, the engine's `forward_batch` as gpu_engine's
@@ -16,7 +16,6 @@ and without them, in one run.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import time
@@ -28,7 +27,6 @@ from kernels import skinny
 from kernels.skinny import Tiles
 
 from ..flags import override
-from .gpu_engine import ANCHOR
 from .report import write_line
 
 # (name, N, K, glu, what the model folds in there)
@@ -152,9 +150,9 @@ def bench_kernels(bandwidth: float) -> dict:
 def anchor_model():
     """anchor-1b with random weights, built on the device in bf16 (TorchModel, graphs on)."""
     from ..model.hybrid import HybridModel
-    from ..model.tiny import tiny_config
+    from ..model.tiny import preset_config
     from ..model.torch_model import TorchModel
-    config = dataclasses.replace(tiny_config("qwen3_next"), **ANCHOR)
+    config = preset_config("anchor-1b")
     torch.manual_seed(0)
     with torch.device("cuda"):
         net = HybridModel(config, mtp=False)

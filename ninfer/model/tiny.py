@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from .bpe import ADDED, added_ids, tokenizer_config, train_bpe
 from .config import ModelConfig, expected_tensors
+from .presets import PRESETS
 from .template import QWEN3_STYLE_TEMPLATE
 
 _PADDING = 16  # vocab rows past the tokenizer's, as real checkpoints pad their embeddings
@@ -139,6 +140,15 @@ def tiny_config(family: str = "qwen3_next", moe: bool = False, *, bos: int | Non
         max_position_embeddings=65536, bos_token_id=bos, eos_token_ids=eos, **experts)
 
 
+def preset_config(preset: str, family: str = "qwen3_next", moe: bool = False,
+                  **config_overrides: Any) -> ModelConfig:
+    """The shape of `preset` (a key of PRESETS), with `config_overrides` over it."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}: one of {', '.join(PRESETS)}")
+    return dataclasses.replace(tiny_config(family, moe),
+                               **{**PRESETS[preset].overrides, **config_overrides})
+
+
 def random_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """Float32 weights for one checkpoint tensor, seeded by (seed, name) so that a tensor does
     not change when others are added. Scales: zero-centred norms (scaled by 1 + w) near 0, the
@@ -198,21 +208,28 @@ def _write_json(path: Path, obj: Any) -> None:
 
 def make_tiny(out_dir: str | Path, *, family: str = "qwen3_next", moe: bool = False,
               seed: int = 0, dtype: torch.dtype | str = torch.bfloat16,
-              max_shard_bytes: int | None = None, **config_overrides: Any) -> Path:
-    """Write a tiny random model directory at `out_dir` (absent or empty) and return it.
+              max_shard_bytes: int | None = None, preset: str = "tiny",
+              text_head: bool = False, **config_overrides: Any) -> Path:
+    """Write a random model directory of the shape `preset` (a key of PRESETS; the default
+    is the tiny shape) at `out_dir` (absent or empty) and return it.
 
     `family` is "qwen3_next" or "qwen3_5" (text-only config); `config_overrides` replace
-    ModelConfig fields of the default shape (e.g. `mtp_num_hidden_layers=0`). `dtype` (a
+    ModelConfig fields of the preset's shape (e.g. `mtp_num_hidden_layers=0`). `dtype` (a
     torch dtype or its name, e.g. "float32") is the stored weights'. With `max_shard_bytes`
-    the weights are sharded with a model.safetensors.index.json."""
+    the weights are sharded with a model.safetensors.index.json. With `text_head`, the LM
+    head's rows past the tokenizer's ids are zero: their logits (0) lose to the largest of
+    the real rows' (~N(0, 1) each), so greedy decoding writes only tokens the tokenizer
+    decodes, as a trained model does, and a client sees text (anchor-1b's head has 151,936
+    rows for 4,080 tokens: otherwise nearly every token it writes decodes to nothing)."""
     weight_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
     if weight_dtype not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be a floating point torch dtype, got {dtype!r}")
     tokenizer_json = train_tokenizer()
     ids = added_ids(tokenizer_json)
     endoftext, im_end = ids["<|endoftext|>"], ids["<|im_end|>"]
-    config = dataclasses.replace(tiny_config(family, moe, bos=endoftext, eos=(im_end,)),
-                                 **config_overrides)
+    config = preset_config(preset, family, moe, **{"bos_token_id": endoftext,
+                                                   "eos_token_ids": (im_end,),
+                                                   **config_overrides})
     if max(ids.values()) >= config.vocab_size:
         raise ValueError(f"vocab_size {config.vocab_size} < the tokenizer's "
                          f"{max(ids.values()) + 1}")
@@ -235,5 +252,8 @@ def make_tiny(out_dir: str | Path, *, family: str = "qwen3_next", moe: bool = Fa
 
     tensors = {name: random_tensor(name, shape, seed).to(weight_dtype)
                for name, shape in expected_tensors(config).items()}
+    if text_head:
+        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        tensors[head][max(ids.values()) + 1:] = 0
     _write_weights(out, tensors, max_shard_bytes)
     return out

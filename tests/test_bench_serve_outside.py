@@ -1,0 +1,139 @@
+"""`ninfer bench serve --outside`: one quick run end to end against real `ninfer serve`
+processes on the tiny model (the figures' presence and sanity: the prompts were the sizes
+asked, cold prompts reused nothing, the next turn reused its conversation, the mtp server
+drafted), the prompts' token counts, and how the command picks the mode and names its file.
+No figure's speed is asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ninfer import cli
+from ninfer.bench import serve, serve_outside
+from ninfer.bench.serve_outside import SIZES, card_name, default_json_path
+from ninfer.bench.sized_prompts import PromptMaker
+
+QUICK = SIZES["cpu-quick"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("outside") / "serve.json"
+    assert serve_outside.main(device="cpu", quick=True, json_path=str(out)) == 0
+    return json.loads(out.read_text())["results"]
+
+
+def test_the_server_is_timed_from_its_start(results):
+    assert 0 < results["port_open_s"] <= results["ready_s"]
+    assert results["mtp_ready_s"] > 0
+    assert results["device"] == "cpu" and results["card"] == "cpu"
+    options = results["server_options"]
+    assert options[options.index("--max-concurrency") + 1] == str(results["max_concurrency"])
+    context = int(options[options.index("--max-context") + 1])
+    assert context >= QUICK.longest + QUICK.decode_tokens
+
+
+def test_the_prompts_are_the_sizes_asked_and_cold_ones_reuse_nothing(results):
+    for n in QUICK.first:
+        assert results[f"first_prompt_tokens_{n}"] == n
+        assert results[f"repeat_prompt_tokens_{n}"] == n
+        assert results[f"first_over_repeat_{n}"] == pytest.approx(
+            results[f"first_ttft_ms_{n}"] / results[f"repeat_ttft_ms_{n}"])
+    for n in QUICK.cold:
+        assert results[f"cold_prompt_tokens_{n}"] == n
+        assert results[f"cold_cached_tokens_{n}"] == 0
+        assert results[f"cold_ttft_ms_{n}"] > 0
+
+
+def test_the_next_turn_reuses_the_conversation(results):
+    """A probe that sent the next turn without the reply, or in another conversation, would
+    prefill it from scratch: its reused tokens would not cover the first turn."""
+    assert results["next_turn_reused"] is True
+    for n in QUICK.next_turn:
+        assert results[f"turn1_prompt_tokens_{n}"] == n
+        cached = results[f"turn2_cached_tokens_{n}"]
+        assert n + QUICK.reply_tokens - 1 <= cached < results[f"turn2_prompt_tokens_{n}"]
+        # the new message and the markers around it (the reply's end, the next turn's start)
+        assert QUICK.new_turn_tokens <= results[f"turn2_new_tokens_{n}"] <= \
+            QUICK.new_turn_tokens + 8
+        assert results[f"turn2_ttft_ms_{n}"] > 0
+
+
+def test_decode_and_the_gap_beside_a_prefill_are_measured(results):
+    for n in QUICK.streams:
+        assert results[f"decode_tok_s_{n}"] > 0 and results[f"decode_first_run_tok_s_{n}"] > 0
+        assert 0 < results[f"decode_gap_ms_median_{n}"] <= results[f"decode_gap_ms_p99_{n}"]
+    assert results["prefill_covered"] is True and results["prefill_deltas_during"] >= 1
+    assert results["prefill_long_prompt_tokens"] == QUICK.long_prefill
+    assert results["prefill_gap_ratio"] == pytest.approx(
+        results["prefill_gap_max_ms"] / results["prefill_gap_usual_ms"])
+
+
+def test_the_mtp_server_drafted_and_is_compared_with_none(results):
+    assert results["mtp_drafted_tokens"] > 0   # read from its /metrics: it really drafted
+    for n in QUICK.mtp_streams:
+        assert results[f"mtp_over_none_{n}"] == pytest.approx(
+            results[f"mtp_decode_tok_s_{n}"] / results[f"decode_tok_s_{n}"])
+
+
+def test_prompts_have_the_token_counts_asked():
+    prompts = PromptMaker.for_model(None)
+    for n in (26, 300, 2048):
+        assert prompts.count(prompts.messages(n, key=n)) == n
+    assert prompts.messages(300, key=1) != prompts.messages(300, key=2)
+    history = [*prompts.messages(300, key=1), {"role": "assistant", "content": "Yes."}]
+    follow = prompts.follow_up(history, 26, key=3)
+    assert follow[:2] == history
+    assert prompts.count(follow) - prompts.count(history, generation=False) == 26
+
+
+@pytest.mark.parametrize("argv, outside", [
+    ([], False), (["--outside"], True), (["--device", "cuda"], True),
+    (["--model", "/models/anchor-1b"], True)])
+def test_the_mode_follows_the_options(monkeypatch, argv, outside):
+    calls, inside = [], []
+    monkeypatch.setattr(serve_outside, "main", lambda **kw: calls.append(kw) or 0)
+    monkeypatch.setattr(serve, "run", lambda args: inside.append(args) or 0)
+    args = cli.build_parser().parse_args(["bench", "serve", *argv, "--server-args",
+                                          "--prefill-chunk 4096"])
+    assert args.func(args) == 0
+    assert (len(calls), len(inside)) == ((1, 0) if outside else (0, 1))
+    if outside:
+        assert calls[0]["extra"] == ["--prefill-chunk", "4096"]
+        assert calls[0]["device"] == args.device and calls[0]["model"] == args.model
+
+
+def test_the_card_names_the_file(monkeypatch):
+    import torch
+    for name, card in (("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                       ("NVIDIA GeForce RTX 4090", "4090")):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        assert card_name("cuda") == card
+    assert card_name("cpu") == "cpu"
+    assert default_json_path("cuda", "h100") == "bench/results/serve-cuda-h100.json"
+    assert default_json_path("cpu", "cpu") is None
+
+
+def test_a_cuda_run_reports_against_the_issue_goals(results, tmp_path, monkeypatch):
+    """The CUDA path's reporting, without a GPU: the figures of the CPU run standing in for
+    a CUDA run's; the goals of the sizes measured are checked, the JSON goes to the card's
+    file, and the server got the GPU's options."""
+    seen = {}
+
+    def measure(options, sizes, prompts, mtp=True):
+        seen["options"] = options
+        return {k: v for k, v in results.items() if k not in ("device", "card")}
+    monkeypatch.setattr(serve_outside, "measure", measure)
+    monkeypatch.setattr(serve_outside, "card_name", lambda device: "h100")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    assert serve_outside.main(device="cuda", sizes=QUICK) == 0
+    doc = json.loads((tmp_path / "bench/results/serve-cuda-h100.json").read_text())
+    assert set(doc["targets"]) == {"ready_s", "prefill_gap_ratio"}   # the rest: not measured
+    assert doc["results"]["card"] == "h100" and doc["results"]["max_concurrency"] == 8
+    options = seen["options"]
+    assert options[options.index("--device") + 1] == "cuda"
+    assert options[options.index("--dtype") + 1] == "bfloat16"
+    assert options[options.index("--prefill-chunk") + 1] == "2048"
