@@ -50,6 +50,13 @@ def _positive(value: str) -> int:
     return n
 
 
+def _decode_gap_steps(value: str) -> float:
+    gap = float(value)
+    if gap != 0 and not gap > 1:
+        raise argparse.ArgumentTypeError("must be 0 (no pacing) or more than 1 step")
+    return gap
+
+
 class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
     """--help shows each option's default, but not None: those options say in their help
     what they default to (it depends on the device or the model)."""
@@ -104,7 +111,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "2048 on a GPU, where a forward's host time does not grow with its "
                         "length (a 4K prompt prefilled at 21K tok/s in 512-token chunks, "
                         "82K in 2048-token ones on an H100)")
-    p.add_argument("--decode-gap", type=float, default=None, metavar="STEPS",
+    p.add_argument("--decode-gap", type=_decode_gap_steps, default=None, metavar="STEPS",
                    help="while requests decode, another request's long prompt (over one "
                         "--prefill-chunk) is prefilled one chunk per step, sized from "
                         "measured step times so a decoding "
@@ -244,9 +251,9 @@ def default_prefill_chunk(device: str) -> int:
 
 def _decode_gap(args: argparse.Namespace) -> float:
     """The engine's decode gap (0: prefill not paced): --decode-gap, else the device's."""
-    gap = args.decode_gap if args.decode_gap is not None else (
-        0.0 if _on_gpu(args.device) else 3.0)
-    return gap if gap > 1 else 0.0
+    if args.decode_gap is not None:
+        return args.decode_gap
+    return 0.0 if _on_gpu(args.device) else 3.0
 
 
 def load(args: argparse.Namespace) -> Loaded:

@@ -48,3 +48,17 @@ def test_model_aliases_reasoning_budget_and_claude_names_reach_the_settings():
         settings_from(_args("--model-alias", "a=other"), "tiny")
     with pytest.raises(SystemExit):
         _args("--model-alias", "no-equals-sign")
+
+
+def test_decode_gap_defaults_to_the_device_and_refuses_a_gap_that_paces_nothing(capsys):
+    import pytest
+
+    from ninfer.server.serve import _decode_gap
+    assert _decode_gap(_args()) == 3.0
+    assert _decode_gap(_args("--device", "cuda")) == 0.0
+    assert _decode_gap(_args("--decode-gap", "0")) == 0.0
+    assert _decode_gap(_args("--decode-gap", "2.5", "--device", "cuda")) == 2.5
+    for bad in ("0.5", "1", "-2"):
+        with pytest.raises(SystemExit):
+            _args("--decode-gap", bad)
+        assert "more than 1 step" in capsys.readouterr().err
