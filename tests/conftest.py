@@ -6,8 +6,11 @@ import tempfile
 
 import pytest
 
-# the embedded default model is generated into NINFER_HOME: keep tests out of ~/.cache
+# the random tiny model is generated into NINFER_HOME: keep tests out of ~/.cache
 os.environ.setdefault("NINFER_HOME", os.path.join(tempfile.gettempdir(), "ninfer-test-home"))
+# tests run on the random tiny model (deterministic and fast; later default models change
+# nothing), not on the trained default: those that test the shipped file name it
+os.environ.setdefault("NINFER_MODEL", "tiny-qwen3-next-v1")
 # Triton kernels run on the CPU only in its interpreter, chosen when a kernel is decorated:
 # set before any kernel module is imported (a machine with a GPU runs them for real)
 import torch  # noqa: E402

@@ -91,13 +91,14 @@ def test_the_mtp_catch_up_graphs_take_spans_up_to_the_flag():
 
 def test_no_module_but_the_flags_reads_a_switch_from_the_environment():
     """Every NINFER_ name in the package's and the kernels' code is the flags module's, but
-    NINFER_HOME (where models are kept: a path, not a switch)."""
+    NINFER_HOME (where models are kept) and NINFER_MODEL (the model served when none is
+    named): paths, not switches."""
     found = []
     for path in sorted([*(ROOT / "ninfer").rglob("*.py"), *(ROOT / "kernels").rglob("*.py")]):
         if path == ROOT / "ninfer" / "flags.py":
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) \
-                    and node.value.startswith("NINFER_") and node.value != "NINFER_HOME":
+                    and node.value.startswith("NINFER_") and node.value not in ("NINFER_HOME", "NINFER_MODEL"):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value}")
     assert found == []

@@ -358,6 +358,8 @@ def main(options: Options, scenarios: list[str], *, url: str | None = None,
     """Run `scenarios` with a key and without (on fresh servers, or on the one at `url`
     whose journal is `journal`), print the tables and the JSON line. 0, or 1 when the
     server answered what the run cannot go on from."""
+    from ..model.runtime import benchmark_on_the_random_model
+    benchmark_on_the_random_model()
     from tqdm import tqdm
     temporary = url is None and workdir is None
     root = Path(tempfile.mkdtemp(prefix="ninfer-agentbench-") if temporary else workdir or ".")

@@ -206,6 +206,8 @@ class Decode:
 
 
 def main(json_path: str | None = None, quick: bool = False, tokens: int = 128) -> int:
+    from ..model.runtime import benchmark_on_the_random_model
+    benchmark_on_the_random_model()
     torch.set_num_threads(1)  # the tiny model decodes fastest on one thread
     results: dict = {}
     steps = []

@@ -198,6 +198,8 @@ def _force_drafts(mode: str | None, answers: dict):
 
 def main(model: str | None = None, device: str = "cpu", dtype: str = "float32",
          json_path: str | None = None, quick: bool = False) -> int:
+    from ..model.runtime import benchmark_on_the_random_model
+    benchmark_on_the_random_model()
     b = Bench(model, device, dtype)
     results: dict = {"model": b.om.name, "device": device, "dtype": dtype}
     steps = [("prefill", lambda: b.prefill(1024 if quick else 4096))]

@@ -157,6 +157,8 @@ def _bare_engine_seconds(args, prompt_ids: tuple[int, ...]) -> tuple[float, floa
 
 
 def main(spec: str = "none", threads: int = 1, json_path: str | None = None) -> int:
+    from ..model.runtime import benchmark_on_the_random_model
+    benchmark_on_the_random_model()
     import httpx
     import torch
 

@@ -1,8 +1,11 @@
 """From files to a running model: load and check, build the torch model, size the pools.
 
 `open_model(path)` takes an HF directory or a `.ninfer` file; with no path it uses the
-embedded default, the tiny model, generated deterministically on first use into the cache
-directory ($NINFER_HOME, else ~/.cache/ninfer), so a fresh machine needs no download.
+default model (`default_model`): the small model trained on the Python standard library,
+shipped in the package (ninfer/data/), so a fresh machine needs no download; or what
+$NINFER_MODEL names: a path, or `tiny-qwen3-next-v1`, the random tiny model that tests and
+benchmarks use (deterministic and fast), generated on first use into the cache directory
+($NINFER_HOME, else ~/.cache/ninfer).
 """
 
 from __future__ import annotations
@@ -31,7 +34,10 @@ from .torch_model import TorchModel
 if TYPE_CHECKING:
     from .ranks import Ranks
 
-DEFAULT_MODEL = "tiny-qwen3-next-v1"
+RANDOM_MODEL = "tiny-qwen3-next-v1"      # random weights, made on first use
+DEFAULT_MODEL = "ninfer-stdlib-8m"       # trained (`ninfer train`), shipped in the package
+DEFAULT_FILE = Path(__file__).resolve().parent.parent / "data" / f"{DEFAULT_MODEL}.ninfer"
+MODEL_ENV = "NINFER_MODEL"
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
@@ -39,9 +45,26 @@ def cache_dir() -> Path:
     return Path(os.environ.get("NINFER_HOME") or Path.home() / ".cache" / "ninfer")
 
 
-def default_model_dir() -> Path:
-    """The embedded default model's directory, generated (once, atomically) if absent."""
-    target = cache_dir() / DEFAULT_MODEL
+def default_model() -> tuple[Path, str]:
+    """The model used when none is named, and its name: $NINFER_MODEL's (a path, or
+    RANDOM_MODEL for the random tiny model), else the trained default in the package."""
+    chosen = os.environ.get(MODEL_ENV)
+    if chosen == RANDOM_MODEL:
+        return random_model_dir(), RANDOM_MODEL
+    if chosen:
+        return Path(chosen), Path(chosen).name.removesuffix(".ninfer")
+    return DEFAULT_FILE, DEFAULT_MODEL
+
+
+def benchmark_on_the_random_model() -> None:
+    """Benchmarks measure the random tiny model (the shape their baselines and TARGETS.md's
+    peers were measured on) unless $NINFER_MODEL or their own argument names another."""
+    os.environ.setdefault(MODEL_ENV, RANDOM_MODEL)
+
+
+def random_model_dir() -> Path:
+    """The random tiny model's directory, generated (once, atomically) if absent."""
+    target = cache_dir() / RANDOM_MODEL
     if (target / "config.json").exists():
         return target
     from .tiny import make_tiny
@@ -75,7 +98,7 @@ def identity(files: LoadedFiles) -> str:
 def model_config(path: str | Path | None) -> ModelConfig:
     """The config of a model directory or file, without its weights where it can (an HF
     directory's config.json)."""
-    source = Path(path) if path is not None else default_model_dir()
+    source = Path(path) if path is not None else default_model()[0]
     if source.is_dir():
         import json
         return ModelConfig.from_dict(json.loads((source / "config.json").read_text()),
@@ -122,9 +145,9 @@ def open_model(path: str | Path | None = None, *, dtype: str = "float32", device
     holds (attention and MTP KV draw from it); `num_slots` the recurrent-state snapshots.
     `ranks` (rank 0 of `ranks.launch`): the model sharded over its ranks, every follower
     opening its shard alike (`shard_model`); the model is then a `ShardedModel`."""
-    source = Path(path) if path is not None else default_model_dir()
+    source, default_name = (Path(path), None) if path is not None else default_model()
     files = load_files(source)
-    options = dict(path=None if path is None else str(path), dtype=dtype, device=device,
+    options = dict(path=str(source), dtype=dtype, device=device,
                    kv_capacity=kv_capacity, block_size=block_size, num_slots=num_slots,
                    mtp=mtp)
     model: TorchModel | ShardedModel
@@ -134,7 +157,7 @@ def open_model(path: str | Path | None = None, *, dtype: str = "float32", device
         model = ranks.open(SHARD_FACTORY, options,
                            local=lambda: shard_model(ranks, files=files, **options))
     num_blocks = -(-kv_capacity // block_size)
-    name = DEFAULT_MODEL if path is None else source.name.removesuffix(".ninfer")
+    name = default_name or source.name.removesuffix(".ninfer")
     return OpenModel(model, BlockPool(num_blocks, block_size), SlotPool(num_slots),
                      files.tokenizer, files.template, files, name)
 
@@ -148,7 +171,7 @@ def shard_model(ranks: Ranks | None, *, path: str | None, dtype: str, device: st
     """This rank's TorchModel: the whole model without `ranks` (or with one rank), else
     its shard (every rank of a run calls this alike)."""
     if files is None:
-        files = load_files(Path(path) if path is not None else default_model_dir())
+        files = load_files(Path(path) if path is not None else default_model()[0])
     world = ranks.world if ranks is not None else 1
     check_shardable(files.config, world)
     if world > 1 and torch.device(device).type == "cuda":

@@ -375,11 +375,11 @@ def aliases(pairs: list[tuple[str, str]], model_id: str) -> tuple[str, ...]:
 
 def build(args: argparse.Namespace):
     """The app, with loading and warm-up started in the background by its lifespan."""
-    from ..model.runtime import DEFAULT_MODEL
+    from ..model.runtime import default_model
     from .app import Server, create_app
 
     name = args.model_id or (Path(args.model).name.removesuffix(".ninfer") if args.model
-                             else DEFAULT_MODEL)
+                             else default_model()[1])
     server = Server(settings_from(args, name))
     app = create_app(server)
     loaded: list[Loaded] = []

@@ -10,7 +10,7 @@ import functools
 import torch
 
 from ninfer.engine.grammar import Grammars
-from ninfer.model.runtime import default_model_dir, open_model
+from ninfer.model.runtime import open_model, random_model_dir
 from ninfer.model.torch_model import TorchModel
 from ninfer.server.reply_grammar import OutputFormat, reply_grammar
 
@@ -19,7 +19,7 @@ torch.set_num_threads(1)  # a tiny model: more threads only spin against each ot
 
 @functools.cache
 def opened():
-    return open_model(default_model_dir(), dtype="float64", kv_capacity=16, num_slots=1)
+    return open_model(random_model_dir(), dtype="float64", kv_capacity=16, num_slots=1)
 
 
 def tokenizer():

@@ -1,4 +1,5 @@
-"""The embedded default: generated on first use into the cache directory, then reused."""
+"""The random tiny model (the tests' default, $NINFER_MODEL): generated on first use into the
+cache directory, then reused; and which model is the default."""
 
 import time
 
@@ -7,10 +8,11 @@ from ninfer.lifecycle.request import SamplingParams
 from ninfer.model import runtime
 
 
-def test_default_model_is_generated_once_and_serves(tmp_path, monkeypatch):
+def test_the_random_model_is_generated_once_and_serves(tmp_path, monkeypatch):
     monkeypatch.setenv("NINFER_HOME", str(tmp_path))
+    monkeypatch.setenv("NINFER_MODEL", runtime.RANDOM_MODEL)
     first = runtime.open_model(kv_capacity=1024, num_slots=8)
-    made = runtime.default_model_dir()
+    made = runtime.random_model_dir()
     assert made.parent == tmp_path and (made / "config.json").exists()
     stamp = (made / "config.json").stat().st_mtime_ns
     t0 = time.perf_counter()
@@ -26,3 +28,11 @@ def test_default_model_is_generated_once_and_serves(tmp_path, monkeypatch):
     run_until_idle(engine)
     r = engine.requests["r1"]
     assert r.state == "Finished" and r.outputs == again.model.reference_generate(prompt, 4)
+
+
+def test_the_default_model_is_the_shipped_one_unless_named(monkeypatch, tmp_path):
+    monkeypatch.delenv("NINFER_MODEL", raising=False)
+    assert runtime.default_model() == (runtime.DEFAULT_FILE, runtime.DEFAULT_MODEL)
+    assert runtime.DEFAULT_FILE.is_file()
+    monkeypatch.setenv("NINFER_MODEL", str(tmp_path / "mine.ninfer"))
+    assert runtime.default_model() == (tmp_path / "mine.ninfer", "mine")

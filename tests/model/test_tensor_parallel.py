@@ -183,9 +183,9 @@ def moe_dir(tmp_path_factory) -> Path:
 
 
 def test_two_ranks_compute_what_one_process_computes(moe_dir, tmp_path):
-    from ninfer.model.runtime import default_model_dir
+    from ninfer.model.runtime import random_model_dir
     out = tmp_path / "tp.json"
-    done = _run(["-m", "tests.model.tp_check", str(out), str(default_model_dir()),
+    done = _run(["-m", "tests.model.tp_check", str(out), str(random_model_dir()),
                  str(moe_dir)])
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())

@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 import pytest
 
+from ninfer.model.runtime import RANDOM_MODEL
+
 from .brief_model import brief_model
 from .serve_process import serving
 
@@ -53,6 +55,7 @@ def served_with_defaults(tmp_path: Path) -> Iterator[Served]:
     block ends."""
     home, state = tmp_path / "ninfer-home", tmp_path / "state"
     brief_model(home)
-    env = {**os.environ, "NINFER_HOME": str(home), "XDG_STATE_HOME": str(state)}
+    env = {**os.environ, "NINFER_HOME": str(home), "XDG_STATE_HOME": str(state),
+           "NINFER_MODEL": RANDOM_MODEL}
     with serving([], env, tmp_path / "serve.log") as running:
         yield Served(running.url, state / "ninfer" / "journal.db", tmp_path / "serve.log")

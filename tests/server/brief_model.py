@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ninfer.model.runtime import DEFAULT_MODEL
+from ninfer.model.runtime import RANDOM_MODEL
 from ninfer.model.tiny import make_tiny
 from ninfer.model.tokenizer import Tokenizer
 
@@ -27,7 +27,7 @@ SCALE, MARGIN = 1000.0, 40.0   # the embeddings' scale; the chosen token's logit
 
 def brief_model(home: Path) -> Path:
     """The default model's directory under `home` (a NINFER_HOME), made to answer REPLY."""
-    target = home / DEFAULT_MODEL
+    target = home / RANDOM_MODEL
     make_tiny(target, seed=0, dtype="float32")
     tok = Tokenizer.from_dir(target)
     chain = [tok.encode("\n")[-1], *tok.encode(REPLY), tok.special.im_end]
