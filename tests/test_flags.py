@@ -99,6 +99,7 @@ def test_no_module_but_the_flags_reads_a_switch_from_the_environment():
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) \
-                    and node.value.startswith("NINFER_") and node.value not in ("NINFER_HOME", "NINFER_MODEL"):
+                    and node.value.startswith("NINFER_") \
+                    and node.value not in ("NINFER_HOME", "NINFER_MODEL"):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value}")
     assert found == []

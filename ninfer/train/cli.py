@@ -93,6 +93,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                     help="at most this many prompts (and files) per part")
     ev.add_argument("--window", type=int, default=1024,
                     help="tokens per window for bits per byte (default 1024)")
+    ev.add_argument("--stride", type=int, default=None,
+                    help="tokens a window scores (it slides on by this many) for bits per "
+                         "byte; the rest of it is context (default half the window)")
     ev.add_argument("--concurrency", type=int, default=8,
                     help="replies generated at once (default 8)")
     ev.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -146,10 +149,15 @@ def _eval(args: argparse.Namespace) -> int:
         print(f"ninfer train eval: unknown parts {unknown} (choose from {PARTS})",
               file=sys.stderr)
         return 2
+    stride = args.stride if args.stride is not None else args.window // 2
+    if not 0 < stride < args.window:
+        print(f"ninfer train eval: need 0 < --stride < --window "
+              f"(got {args.window}, {stride})", file=sys.stderr)
+        return 2
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     om = open_model(args.model, dtype=dtype, device=args.device)
     figures = evaluate(om, Corpus.open(args.corpus), parts=parts, limit=args.limit,
-                       window=args.window, concurrency=args.concurrency,
+                       window=args.window, stride=stride, concurrency=args.concurrency,
                        progress=not args.quiet)
     figures |= {"model": str(args.model), "device": args.device, "dtype": dtype}
     text = json.dumps(figures, indent=1, ensure_ascii=False)

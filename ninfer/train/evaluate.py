@@ -1,9 +1,12 @@
 """`ninfer train eval MODEL --corpus DIR`: the figures of issue 31, on the corpus's held-out
 modules, greedy, without constrained decoding.
 
-- bpb: bits per byte of the held-out source files, each file read in windows of `window`
-  tokens from a fresh state (each window begins with <|endoftext|>, so every token is
-  predicted), against `xz -9` (lzma preset 9) on the same bytes joined into one stream.
+- bpb: bits per byte of the held-out source files, against `xz -9` (lzma preset 9) on the
+  same bytes joined into one stream. Each file is <|endoftext|> and its tokens, read in
+  windows of `window` tokens from a fresh state that overlap by `window - stride`: a window
+  scores only the tokens no earlier window scored, so every token is predicted once, and
+  with at least `window - stride` tokens of the file before it where the file has them
+  (the usual sliding-window measure).
 - docstrings: of the held-out docstring prompts, the share of greedy answers (at most 256
   tokens) that `ast.parse` accepts, the answer being the reply's text as a client receives
   it (the generation prompt closes the think block: the whole reply is content).
@@ -52,30 +55,50 @@ DRAFTS = (("mtp", 1), ("mtp", 2), ("mtp", 3), ("ngram", 3))   # at fixed lengths
 
 # --- bits per byte ---------------------------------------------------------------------------
 
+def scored_windows(length: int, window: int, stride: int) -> list[tuple[int, int, int]]:
+    """Over a sequence of `length` tokens whose first is only context: (begin, end, first)
+    for each window `[begin, end)` of at most `window` tokens, which scores the predictions
+    of tokens `[first, end)`: every token but the first exactly once, with at least
+    `window - stride` tokens before it in its window (all there are, at the start)."""
+    if not 0 < stride < window:
+        raise ValueError(f"need 0 < stride < window, got stride {stride}, window {window}")
+    out, first = [], 1
+    while first < length:
+        begin = max(0, first - (window - stride))
+        end = min(length, begin + window)
+        out.append((begin, end, first))
+        first = end
+    return out
+
+
 @torch.inference_mode()
 def bits_per_byte(om: OpenModel, texts: Sequence[str], window: int = 1024,
-                  progress: bool = False) -> dict:
-    """The model's bits per byte over `texts` (see the module docstring) beside xz's."""
+                  stride: int | None = None, progress: bool = False) -> dict:
+    """The model's bits per byte over `texts` (see the module docstring) beside xz's;
+    `stride` defaults to half the window."""
     net, tok = om.model.net, om.tokenizer
-    eot = tok.special.endoftext
+    stride = stride or window // 2
     device = next(net.parameters()).device
     nats, tokens, data = 0.0, 0, b""
-    pieces: list[list[int]] = []
+    pieces: list[tuple[list[int], int]] = []   # a window's tokens, and how many it scores
     for text in texts:
-        ids = tok.encode(text)
-        tokens += len(ids)
+        ids = [tok.special.endoftext, *tok.encode(text)]
+        tokens += len(ids) - 1
         data += text.encode("utf-8")
-        pieces += [[eot, *ids[i:i + window - 1]] for i in range(0, len(ids), window - 1)]
-    for piece in tqdm(pieces, desc="bits per byte", unit="window", disable=not progress):
+        pieces += [(ids[begin:end], end - first)
+                   for begin, end, first in scored_windows(len(ids), window, stride)]
+    for piece, scored in tqdm(pieces, desc="bits per byte", unit="window",
+                              disable=not progress):
         ids = torch.tensor([piece], device=device)
         state = HybridState.initial(net.config, 1, next(net.parameters()).dtype, device)
         logits = net.forward(ids, torch.arange(len(piece), device=device)[None], state).logits
-        nats += float(F.cross_entropy(logits[0, :-1].float(), ids[0, 1:], reduction="sum"))
+        nats += float(F.cross_entropy(logits[0, -scored - 1:-1].float(), ids[0, -scored:],
+                                      reduction="sum"))
     model_bpb = nats / math.log(2) / len(data)
     xz_bpb = 8 * len(lzma.compress(data, preset=9)) / len(data)
     return {"bits_per_byte": model_bpb, "xz_bits_per_byte": xz_bpb,
             "ratio_to_xz": model_bpb / xz_bpb, "bytes": len(data), "tokens": tokens,
-            "files": len(texts), "window": window}
+            "files": len(texts), "window": window, "stride": stride}
 
 
 # --- generation through the engine -----------------------------------------------------------
@@ -270,7 +293,8 @@ def drafting(om: OpenModel, prompts: Sequence[str], *,
 # --- all of it -------------------------------------------------------------------------------
 
 def evaluate(om: OpenModel, corpus: Corpus, *, parts: Sequence[str] = PARTS,
-             limit: int | None = None, window: int = 1024, concurrency: int = 8,
+             limit: int | None = None, window: int = 1024, stride: int | None = None,
+             concurrency: int = 8,
              max_tokens: int = MAX_TOKENS, continuation_tokens: int = CONTINUATION_TOKENS,
              progress: bool = True) -> dict:
     """The figures of `parts` for the model `om` on `corpus`'s held-out set; `limit` caps
@@ -281,7 +305,7 @@ def evaluate(om: OpenModel, corpus: Corpus, *, parts: Sequence[str] = PARTS,
     cut = slice(None, limit)
     if "bpb" in parts:
         out["bpb"] = bits_per_byte(om, [s["text"] for s in held["sources"][cut]], window,
-                                   progress)
+                                   stride, progress=progress)
     if "docstrings" in parts:
         out["docstrings"] = docstring_share(om, corpus.eval_items("docstring_prompts")[cut],
                                             concurrency=concurrency, max_tokens=max_tokens,

@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ninfer.model.hybrid import HybridState
 from ninfer.model.runtime import open_model
@@ -66,23 +68,45 @@ def model(slice_corpus, tmp_path_factory):
     return open_model(out, kv_capacity=4096, num_slots=8)
 
 
-def test_bits_per_byte_are_the_models_nats_per_byte_and_xz_is_lzma_9(model):
+@settings(max_examples=200, deadline=None)
+@given(length=st.integers(1, 300), window=st.integers(2, 64), data=st.data())
+def test_sliding_windows_score_every_token_once_with_the_context_promised(length, window, data):
+    stride = data.draw(st.integers(1, window - 1))
+    windows = evaluate.scored_windows(length, window, stride)
+    scored = [t for begin, end, first in windows for t in range(first, end)]
+    assert scored == list(range(1, length))
+    for begin, end, first in windows:
+        assert 0 <= begin < first < end <= length and end - begin <= window
+        assert first - begin >= min(first, window - stride)   # the context it promises
+
+
+@pytest.mark.parametrize("stride", [0, 8, 9])
+def test_a_stride_that_scores_nothing_or_leaves_no_context_is_refused(stride):
+    with pytest.raises(ValueError, match="stride"):
+        evaluate.scored_windows(20, 8, stride)
+
+
+@pytest.mark.parametrize("window,stride", [(8, 4), (8, 7), (4096, 2048)])
+def test_bits_per_byte_are_the_models_nats_per_byte_and_xz_is_lzma_9(model, window, stride):
+    """Each token's loss computed alone, from the context its window gives it (a causal
+    model's prediction of a token does not depend on what follows it in a window)."""
     texts = ["def add(a, b):\n    return a + b\n", "x = [i * i for i in range(10)]\n"]
-    got = evaluate.bits_per_byte(model, texts, window=8)
+    got = evaluate.bits_per_byte(model, texts, window=window, stride=stride)
     tok, net = model.tokenizer, model.model.net
     nats = 0.0
     with torch.inference_mode():
         for text in texts:
-            ids = tok.encode(text)
-            for i in range(0, len(ids), 7):  # windows of 8: <|endoftext|> and 7 tokens
-                piece = torch.tensor([[tok.special.endoftext, *ids[i:i + 7]]])
-                state = HybridState.initial(net.config, 1, torch.float32)
-                logits = net.forward(piece, torch.arange(piece.shape[1])[None], state).logits
-                nats += float(F.cross_entropy(logits[0, :-1], piece[0, 1:], reduction="sum"))
+            seq = [tok.special.endoftext, *tok.encode(text)]
+            for begin, end, first in evaluate.scored_windows(len(seq), window, stride):
+                for t in range(first, end):
+                    piece = torch.tensor([seq[begin:t]])
+                    state = HybridState.initial(net.config, 1, torch.float32)
+                    logits = net.forward(piece, torch.arange(t - begin)[None], state).logits
+                    nats += float(F.cross_entropy(logits[0, -1:], torch.tensor([seq[t]])))
     data = "".join(texts).encode()
     assert got["bits_per_byte"] == pytest.approx(nats / math.log(2) / len(data), rel=1e-5)
     assert got["xz_bits_per_byte"] == 8 * len(lzma.compress(data, preset=9)) / len(data)
-    assert got["bytes"] == len(data)
+    assert got["bytes"] == len(data) and got["stride"] == stride
 
 
 def test_every_part_runs_on_a_slice(model, slice_corpus):
