@@ -46,7 +46,7 @@ VOCAB_SIZE = 8192  # the BPE's tokens and the added ones; the model's embedding 
 EVAL_PROMPTS = 200
 CONTINUATIONS = 16
 CONTINUATION_CHARS = 1500
-TOOL_EXAMPLES_PER_FUNCTION = 4
+TOOL_EXAMPLES_PER_FUNCTION = 6
 FILES = ("tokenizer.json", "train.bin", "heldout.bin", "heldout.json")
 
 

@@ -121,6 +121,23 @@ def tool_schema(fn: Function) -> dict:
                        "required": [p.name for p in fn.params if p.required]}}}
 
 
+_SYLLABLES = tuple(c + v for c in "bdfgklmnprstvz" for v in "aeiou")
+_SHAPES = ("{}", "{}", "{}_{}", "{}.txt", "/tmp/{}", "{} {}", "{}-{}", "{}.{}")
+
+
+def _made_word(rng: random.Random) -> str:
+    """A string no corpus text predicts (made-up words in a few shapes): a reply can only
+    get it right by copying it from the request, the skill tool calls need for names."""
+    shape = rng.choice(_SHAPES)
+    words = ["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3)))
+             for _ in range(shape.count("{}"))]
+    return shape.format(*words)
+
+
+def _string(rng: random.Random) -> str:
+    return rng.choice(_WORDS) if rng.random() < 0.3 else _made_word(rng)
+
+
 def _value(json_type: str, rng: random.Random) -> Any:
     if json_type == "integer":
         return rng.choice((rng.randint(0, 10), rng.randint(-100, 1000)))
@@ -132,7 +149,7 @@ def _value(json_type: str, rng: random.Random) -> Any:
         return [rng.randint(0, 99) for _ in range(rng.randint(1, 3))]
     if json_type == "object":
         return {rng.choice(("key", "name", "id")): rng.randint(0, 99)}
-    return rng.choice(_WORDS)
+    return _string(rng)
 
 
 def _arguments(fn: Function, rng: random.Random) -> dict:
