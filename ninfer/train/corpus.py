@@ -47,6 +47,10 @@ EVAL_PROMPTS = 200
 CONTINUATIONS = 16
 CONTINUATION_CHARS = 1500
 TOOL_EXAMPLES_PER_FUNCTION = 6
+# the share of tool examples whose functions and parameters get made-up names: their calls
+# are right only when copied from the listed tools (with real names alone the model learns
+# the training functions' names by heart, and copies held-out ones badly)
+MADE_UP_TOOLS = 0.5
 FILES = ("tokenizer.json", "train.bin", "heldout.bin", "heldout.json")
 
 
@@ -113,7 +117,8 @@ def build(out_dir: str | Path, *, modules: Sequence[str] | None = None, seed: in
     template = trained_template()
     chats = [ex.docstring_example(fn, rng) for fn in train_fns if ex.answerable(fn)]
     pool = [fn for fn in train_fns if ex.usable_as_tool(fn)]
-    chats += ex.tool_examples(pool, TOOL_EXAMPLES_PER_FUNCTION * len(pool), rng) if pool else []
+    chats += ex.tool_examples(pool, TOOL_EXAMPLES_PER_FUNCTION * len(pool), rng,
+                              made_up=MADE_UP_TOOLS) if pool else []
     documents = [f.text for f in train_files] + [ex.render(template, c) for c in chats]
     rng.shuffle(documents)
     eval_docstrings, eval_tools = _eval_items(held_fns, rng)

@@ -219,10 +219,38 @@ def tool_example(target: Function, others: Sequence[Function], rng: random.Rando
     return Example("tools", messages, tools, call)
 
 
+def _made_identifier(rng: random.Random, words: int) -> str:
+    return "_".join("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3)))
+                    for _ in range(words))
+
+
+def renamed(functions: Sequence[Function], rng: random.Random) -> list[Function]:
+    """The functions with made-up names, and parameters of made-up names (distinct within
+    each, and the functions' names distinct): what they do (the docstring) and their
+    parameters' types kept. A call to one is right only if its names were copied from the
+    tools listed: no name learnt by heart helps."""
+    out, taken = [], set()
+    for fn in functions:
+        name = _made_identifier(rng, rng.randint(1, 2))
+        while name in taken:
+            name += rng.choice(_SYLLABLES)
+        taken.add(name)
+        params, used = [], set()
+        for p in fn.params:
+            pname = _made_identifier(rng, 1)
+            while pname in used:
+                pname += rng.choice(_SYLLABLES)
+            used.add(pname)
+            params.append(p._replace(name=pname))
+        out.append(fn._replace(name=name, qualname=name, params=tuple(params)))
+    return out
+
+
 def tool_examples(pool: Sequence[Function], count: int, rng: random.Random,
-                  *, complete: bool = True) -> list[Example]:
+                  *, complete: bool = True, made_up: float = 0.0) -> list[Example]:
     """`count` tool conversations over `pool`: each function in turn as the target (the
-    pool shuffled, then cycled), with up to three other functions of distinct names."""
+    pool shuffled, then cycled), with up to three other functions of distinct names; in a
+    share `made_up` of them every listed function is `renamed`."""
     order = list(pool)
     rng.shuffle(order)
     out = []
@@ -233,5 +261,7 @@ def tool_examples(pool: Sequence[Function], count: int, rng: random.Random,
             if len(others) < wanted and other.name not in names:
                 others.append(other)
                 names.add(other.name)
+        if rng.random() < made_up:
+            target, *others = renamed([target, *others], rng)
         out.append(tool_example(target, others, rng, complete=complete))
     return out
