@@ -438,7 +438,7 @@ def add_bench_parser(bench_subparsers) -> argparse.ArgumentParser:
                    help="cancels: the server's --step-delay-ms, so that a cut lands before "
                         "the request's next step (default 50; 0: none)")
     p.add_argument("--model", default=None,
-                   help="the servers' MODEL (default: the embedded tiny model)")
+                   help="the servers' MODEL (default: the random tiny model)")
     p.add_argument("--url", default=None,
                    help="use this running server instead of starting one per run: its own "
                         "options apply, and the runs share it")

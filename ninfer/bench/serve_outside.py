@@ -186,7 +186,9 @@ def main(device: str = "cpu", model: str | None = None, quick: bool = False,
     """`measure` on `model` on `device`, the table printed and the JSON written (default
     on CUDA: bench/results/serve-cuda-<card>.json). Fails (1) when a next turn did not
     reuse its conversation: a probe that measures a re-prefill measures the wrong thing."""
+    from ..model.runtime import benchmark_on_the_random_model
     from .sized_prompts import PromptMaker
+    benchmark_on_the_random_model()
     sizes = sizes or sizes_for(device, quick)
     lanes = max_concurrency or (8 if device.startswith("cuda") else 4)
     options = server_options(device, model, sizes, lanes, extra or [])
@@ -222,7 +224,7 @@ def add_outside_options(parser: argparse.ArgumentParser) -> None:
                        help="measure a `ninfer serve` subprocess (on the CPU: small sizes)")
     group.add_argument("--device", default="cpu", help="the server's device (default cpu)")
     group.add_argument("--model", default=None,
-                       help="model directory or .ninfer file (default: the embedded tiny "
+                       help="model directory or .ninfer file (default: the random tiny "
                             "model)")
     group.add_argument("--quick", action="store_true",
                        help="fewer and shorter probes (a smoke run, not the reported figures)")

@@ -22,9 +22,9 @@ class PromptMaker:
     @classmethod
     def for_model(cls, model: str | None) -> PromptMaker:
         """The tokenizer and chat template of a model directory or .ninfer file (None: the
-        embedded default model, as `ninfer serve` opens it)."""
-        from ..model.runtime import default_model_dir
-        path = Path(model) if model else default_model_dir()
+        default model, as `ninfer serve` opens it)."""
+        from ..model.runtime import default_model
+        path = Path(model) if model else default_model()[0]
         if path.is_dir():
             from ..model.template import ChatTemplate
             from ..model.tokenizer import Tokenizer
