@@ -39,6 +39,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="BPE tokens plus the added ones (default 8192; a slice needs "
                              "fewer)")
     corpus.add_argument("--seed", type=int, default=0, help="examples' seed (default 0)")
+    corpus.add_argument("--made-up-tools", type=_share, default=0.0, metavar="SHARE",
+                        help="the share of tool examples whose functions and parameters get "
+                             "made-up names, so a call is right only when its names are "
+                             "copied from the tools listed (default 0: the recipe's)")
     corpus.set_defaults(func=_corpus)
 
     run = sub.add_parser("run", help="train the model on a built corpus",
@@ -102,11 +106,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     ev.set_defaults(func=_eval)
 
 
+def _share(value: str) -> float:
+    share = float(value)
+    if not 0 <= share <= 1:
+        raise argparse.ArgumentTypeError("must be between 0 and 1")
+    return share
+
+
 def _corpus(args: argparse.Namespace) -> int:
     from .corpus import VOCAB_SIZE, Corpus, build
     modules = args.modules.split(",") if args.modules else None
     out = build(args.out, modules=modules, seed=args.seed,
-                vocab_size=args.vocab_size or VOCAB_SIZE,
+                vocab_size=args.vocab_size or VOCAB_SIZE, made_up_tools=args.made_up_tools,
                 progress=lambda stage: print(stage, file=sys.stderr, flush=True))
     corpus = Corpus.open(out)
     print(json.dumps({"corpus": str(out), "sha256": corpus.sha256,

@@ -261,7 +261,7 @@ def tool_examples(pool: Sequence[Function], count: int, rng: random.Random,
             if len(others) < wanted and other.name not in names:
                 others.append(other)
                 names.add(other.name)
-        if rng.random() < made_up:
+        if made_up and rng.random() < made_up:  # (none: the draws of corpora before it)
             target, *others = renamed([target, *others], rng)
         out.append(tool_example(target, others, rng, complete=complete))
     return out

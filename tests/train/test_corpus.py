@@ -105,7 +105,7 @@ def test_examples_are_what_the_server_renders_for_the_same_conversation():
     rng = random.Random(0)
     pool = [fn for fn in fns if ex.usable_as_tool(fn)]
     chats = [ex.docstring_example(fn, rng) for fn in fns[:20]]
-    chats += ex.tool_examples(pool, 20, rng)
+    chats += ex.tool_examples(pool, 20, rng) + ex.tool_examples(pool, 20, rng, made_up=1.0)
     template = trained_template()
     for chat in chats:
         messages, tools = _as_server_sees(chat.messages, chat.tools)
@@ -149,3 +149,43 @@ def test_the_test_suites_are_source_but_not_those_of_held_out_modules(tmp_path):
     got = {f.path: (f.split, f.suite) for f in scan(tmp_path)}
     assert got == {"csv.py": ("held_out", False), "json/__init__.py": ("train", False),
                    "test/test_json.py": ("train", True)}
+
+
+def test_made_up_tools_keep_what_functions_do_and_take_but_no_name_of_theirs():
+    """Renamed tools: the docstring and each parameter's type and requiredness kept, every
+    name made up (none a real function's or parameter's), distinct, and the call names
+    the target as listed, with its renamed parameters."""
+    files = scan(modules=("json", "textwrap", "shlex"))
+    pool = [fn for f in files for fn in functions(f) if ex.usable_as_tool(fn)]
+    real = {fn.name for fn in pool} | {p.name for fn in pool for p in fn.params}
+    for seed in range(20):
+        rng = random.Random(seed)
+        chosen = rng.sample(pool, 4)
+        renamed = ex.renamed(chosen, rng)
+        assert len({fn.name for fn in renamed}) == 4
+        for old, new in zip(chosen, renamed, strict=True):
+            assert new.name not in real and new.docstring == old.docstring
+            assert [(p.json_type, p.required) for p in new.params] == \
+                [(p.json_type, p.required) for p in old.params]
+            assert len({p.name for p in new.params}) == len(new.params)
+            assert not {p.name for p in new.params} & real
+    made = ex.tool_examples(pool, 30, random.Random(1), made_up=1.0)
+    for chat in made:
+        listed = {t["function"]["name"]: t["function"]["parameters"] for t in chat.tools}
+        call = json.loads(chat.reference)
+        assert not set(listed) & real and call["name"] in listed
+        assert set(call["arguments"]) <= set(listed[call["name"]]["properties"])
+
+
+def test_no_made_up_tools_draws_what_corpora_before_them_drew():
+    """`made_up` 0 takes no draw of its own: the corpus the shipped model was trained on
+    builds again byte for byte."""
+    files = scan(modules=("json", "textwrap"))
+    pool = [fn for f in files for fn in functions(f) if ex.usable_as_tool(fn)]
+    rng = random.Random(5)
+    plain = ex.tool_examples(pool, 40, rng)
+    after = rng.random()
+    rng = random.Random(5)
+    assert ex.tool_examples(pool, 40, rng, made_up=0.0) == plain and rng.random() == after
+    some = ex.tool_examples(pool, 40, random.Random(5), made_up=0.5)
+    assert some != plain

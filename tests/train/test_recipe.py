@@ -113,3 +113,16 @@ def test_the_commands_train_and_evaluate(slice_corpus, tmp_path, capsys):
     bpb = json.loads(figures.read_text())["bpb"]
     assert bpb["files"] == 1 and bpb["bits_per_byte"] > 0
     capsys.readouterr()
+
+
+def test_a_share_or_stride_out_of_range_is_refused_by_name(slice_corpus, tmp_path, capsys):
+    from ninfer.cli import main
+    for bad in ("1.5", "-0.1"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["train", "corpus", str(tmp_path / "c"), "--made-up-tools", bad])
+        assert exit_.value.code == 2 and "--made-up-tools" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+    for window, stride in (("64", "64"), ("64", "0")):
+        assert main(["train", "eval", "x.ninfer", "--corpus", str(slice_corpus.path),
+                     "--window", window, "--stride", stride]) == 2
+        assert "--stride" in capsys.readouterr().err
