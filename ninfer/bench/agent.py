@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from typing import Any, NamedTuple
 
 from .agent_client import TOOLS, BenchError, Conversation, calibrate, get_json, send
 from .report import write_line
+from .server_process import free_port, stop
 
 SCENARIOS = ("single", "interleaved", "same-key", "cancels")
 MODES = ("key", "no_key")
@@ -146,9 +146,7 @@ def server_options(scenario: str, options: Options) -> list[str]:
 def serving(extra: list[str], workdir: Path, name: str, model: str | None) -> Iterator[Served]:
     """`ninfer serve` in a subprocess on a free loopback port, its journal and log in
     `workdir`; yields once /health answers 200 and stops the server on exit."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     journal, log = workdir / f"{name}.db", workdir / f"{name}.log"
     command = [sys.executable, "-m", "ninfer.cli", "serve", *([model] if model else []),
                "--port", str(port), "--journal", str(journal), *extra]
@@ -169,12 +167,7 @@ def serving(extra: list[str], workdir: Path, name: str, model: str | None) -> It
             time.sleep(0.1)
         yield Served(url, journal)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 def computed_prompt_tokens(journal: Path, requests: Collection[str]) -> dict[str, int]:

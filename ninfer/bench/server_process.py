@@ -28,6 +28,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop(process: subprocess.Popen, grace: float = 30) -> None:
+    """SIGTERM, and SIGKILL when it has not exited within `grace` seconds; waited for."""
+    process.terminate()
+    try:
+        process.wait(grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def _tail(log: Path, lines: int = 40) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
@@ -64,9 +74,4 @@ def started(options: Sequence[str], folder: Path, *,
             time.sleep(0.02)
         yield Started(url, port_open, time.perf_counter() - t0, log)
     finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process)

@@ -5,7 +5,6 @@ ends. For the tests that need a real process (agent CLIs, exit statuses)."""
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import sys
 import time
@@ -15,11 +14,7 @@ from typing import NamedTuple
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ninfer.bench.server_process import free_port, stop
 
 
 def start(options: Sequence[str], env: dict[str, str], log: Path) -> subprocess.Popen:
@@ -54,9 +49,4 @@ def serving(options: Sequence[str], env: dict[str, str], log: Path,
             raise AssertionError(f"ninfer serve did not become ready:\n{log.read_text()}")
         yield Running(url, process)
     finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process)
