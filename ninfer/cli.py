@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         "engine", help="prefill and decode rates, drafting gains, checkpoint sizes, and turn-2 "
                        "over turn-1 time to first token at 4K and 16K tokens")
     engine.add_argument("--model", default=None,
-                        help="model directory or .ninfer file (default: the embedded tiny model)")
+                        help="model directory or .ninfer file (default: the random tiny model)")
     engine.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     engine.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float64"],
                         help="compute dtype (default float32 on the CPU, bfloat16 on a GPU)")

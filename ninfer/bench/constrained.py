@@ -1,7 +1,7 @@
 """`ninfer bench constrained`: what holding the output to a grammar costs.
 
 Figures, each from the same run:
-- the grammar's mask per token, for a JSON schema, at the embedded model's vocabulary
+- the grammar's mask per token, for a JSON schema, at the random tiny model's vocabulary
   (4,096) and at a ~152K byte-level BPE trained here (standing in for Qwen's 151,643: the
   real size is what the mask's cost grows with), raw (llguidance's bitmask) and as the
   engine takes it (ninfer.engine.constraint.Constraint: the bitmask unpacked into a mask);

@@ -69,8 +69,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """The `serve` subcommand (its func is `run_serve`)."""
     p = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
-        description="Serve MODEL (an HF directory or a .ninfer file; the embedded tiny default "
-                    "when omitted) at /v1/chat/completions, /v1/completions, /v1/responses, "
+        description="Serve MODEL (an HF directory or a .ninfer file; when omitted, "
+                    "$NINFER_MODEL's, else the trained default shipped in the package, "
+                    "ninfer-stdlib-8m) at /v1/chat/completions, /v1/completions, /v1/responses, "
                     "/v1/messages and /v1/messages/count_tokens (Anthropic's), /v1/models, "
                     "/health and /metrics, described at /openapi.json and /docs. A "
                     "conversation's session key comes from the X-Session-Id header, else the "
@@ -80,7 +81,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                     "together with the request's cache_salt.",
         formatter_class=_Defaults)
     p.add_argument("model", nargs="?", default=None,
-                   help="model directory or .ninfer file (default: the embedded tiny model)")
+                   help="model directory or .ninfer file (default: $NINFER_MODEL, a path or "
+                        "tiny-qwen3-next-v1 for the random tiny model; else the trained "
+                        "ninfer-stdlib-8m shipped in the package)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8080, help="port to listen on")
     p.add_argument("--model-id", default=None,
@@ -97,7 +100,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "reasoning block itself, when the request names no budget or effort "
                         "(default: none, the model closes it or runs out of tokens)")
     # an agent's system prompt and tools run to tens of KB (Claude Code 2.1's with every tool
-    # in the prompt: 80 KB, 42K tokens of the embedded model's tokenizer; the Codex CLI's
+    # in the prompt: 80 KB, 42K tokens of the random tiny model's tokenizer; the Codex CLI's
     # about 20K), so the defaults fit one and its conversation
     p.add_argument("--max-context", type=_positive, default=65_536,
                    help="most tokens per request, prompt and output together")
