@@ -105,7 +105,8 @@ class Prefill:
             if not self.free_slot():
                 return
             tokens = request.sequence[:position]
-            held = self.runner.capture(live.lane, self.checkpoint_id(request), tokens, role)
+            held = self.runner.capture(live.lane, self.checkpoint_id(request), tokens, role,
+                                       request.sequence_hashes)
             live.captures.append(held)
             request.emit(ev.CheckpointCaptured, checkpoint=self.facts(held))
         self._prune_fallbacks(live)
