@@ -108,8 +108,7 @@ class Runner:
 
     def _share(self, table: list[int], positions: int) -> list[int]:
         shared = table[:self.blocks.blocks_for(positions)]
-        for block in shared:
-            self.blocks.incref(block)
+        self.blocks.share(shared)
         return shared
 
     def capture(self, lane: Lane, cp_id: str, tokens: Sequence[int], role: str,
@@ -177,8 +176,7 @@ class Runner:
     def _share_full(self, table: list[int], n: int) -> list[int]:
         full, rest = divmod(n, self.blocks.block_size)
         out = table[:full]
-        for block in out:
-            self.blocks.incref(block)
+        self.blocks.share(out)
         if rest:
             tail = self.blocks.alloc()
             self.model.copy_block(table[full], tail, rest)
