@@ -10,14 +10,18 @@ conversation of its own. Turn 2 is timed two ways:
   engine queued it (HTTP, parsing, the template, tokenising, the conversation's history,
   the submit check, the engine's pick-up), queued → started (the planner's reuse decision,
   the endpoint restored), started → prefill completed (the delta's prefill and the first
-  token sampled, the checkpoints captured on the way), completed → the client's first delta
-  (the step's journal commit, the event routed, SSE framing, the socket);
+  token sampled, the checkpoints captured on the way; the delta is prefilled in one forward
+  per piece between the checkpoints' positions, counted), completed → the client's first
+  token (the step's journal commit, the event routed, SSE framing, the socket); and the
+  journal's bytes of the request's rows up to its first token (the engine thread encodes
+  them as JSON before it releases the token);
 - host side, by calling the server's own functions on the same request just before it is
   sent: JSON parsing and validation, the template render, the tokenising as served (the
   history's encoder), the anchors' prefix renders, the submit check, hashing the prompt's
   blocks and writing its journal row (JSON of its token ids).
 
-The figures are medians over the repeats; the table has one column per size.
+The times are each stage's best over the repeats (the counts: medians); the table has one
+column per size.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from .report import write_line
 
@@ -46,6 +51,7 @@ SERVED = [("ttft", "turn 2: time to first token, served"),
           ("http_parse", "    of which HTTP + parse (a 404's trip)"),
           ("queued_to_started", "  queued -> started (plan, restore)"),
           ("started_to_prefilled", "  started -> prefilled (delta + 1st token)"),
+          ("per_forward", "    per prefill forward (count below)"),
           ("prefilled_to_client", "  prefilled -> client (commit, SSE)")]
 HOST = [("parse", "host: JSON parse + validate"),
         ("render", "host: template render (whole chat)"),
@@ -53,8 +59,11 @@ HOST = [("parse", "host: JSON parse + validate"),
         ("tokenise_served", "host: tokenise as served (history)"),
         ("render_chat", "host: render_chat as served (+anchors)"),
         ("submit_check", "host: engine submit check"),
-        ("block_hashes", "host: prompt's block hashes"),
+        ("block_hashes", "host: prompt's block hashes, from scratch"),
         ("journal_row", "host: RequestQueued row (ids as JSON)")]
+
+
+COUNTS = ("prompt_tokens", "cached_tokens", "forwards", "journal_kib")
 
 
 def _timed(fn: Callable[[], object], reps: int = 3) -> float:
@@ -110,15 +119,28 @@ def _read(journal: str, sql: str, *args) -> list[tuple]:
         return db.execute(sql, args).fetchall()
 
 
-def event_times(journal: str) -> dict[str, float]:
-    """Wall time of each kind's first event of the request queued last."""
+class Journaled(NamedTuple):
+    """What the journal says of one request up to its first token."""
+
+    times: dict[str, float]   # wall time of each kind's first event
+    forwards: int             # prefill forwards: PrefillAdvanced events
+    kib: float                # its rows' payloads, written before the first token's release
+
+
+def journaled(journal: str) -> Journaled:
+    """The request queued last, up to its `PrefillCompleted`."""
     last = _read(journal, "SELECT request FROM events WHERE kind = 'RequestQueued' "
                           "ORDER BY seq DESC LIMIT 1")[0][0]
-    out: dict[str, float] = {}
-    for kind, t in _read(journal, "SELECT kind, time FROM events WHERE request = ? "
-                                  "ORDER BY seq", last):
-        out.setdefault(kind, t)
-    return out
+    times: dict[str, float] = {}
+    forwards, size = 0, 0
+    for kind, t, n in _read(journal, "SELECT kind, time, length(data) FROM events "
+                                     "WHERE request = ? ORDER BY seq", last):
+        if "PrefillCompleted" in times:
+            break
+        times.setdefault(kind, t)
+        forwards += kind == "PrefillAdvanced"
+        size += n
+    return Journaled(times, forwards, size / 1024)
 
 
 def host_stages(server, messages: list[dict], session: str) -> dict[str, float]:
@@ -193,7 +215,7 @@ def one_turn(url: str, server, journal: str, prompts, n: int, key: int) -> dict[
     out["http_parse"] = http_trip(url, messages, session)
     wall_minus_perf = time.time() - time.perf_counter()
     turn2 = stream_chat(url, messages, session=session, max_tokens=2)
-    events = event_times(journal)
+    events, forwards, kib = journaled(journal)
     sent, first = turn2.sent + wall_minus_perf, turn2.arrivals[0] + wall_minus_perf
     queued, started = events["RequestQueued"], events["RequestStarted"]
     prefilled = events["PrefillCompleted"]
@@ -201,24 +223,29 @@ def one_turn(url: str, server, journal: str, prompts, n: int, key: int) -> dict[
                queued_to_started=1000 * (started - queued),
                started_to_prefilled=1000 * (prefilled - started),
                prefilled_to_client=1000 * (first - prefilled),
-               prompt_tokens=turn2.prompt_tokens, cached_tokens=turn2.cached_tokens)
+               per_forward=1000 * (prefilled - started) / max(forwards, 1),
+               prompt_tokens=turn2.prompt_tokens, cached_tokens=turn2.cached_tokens,
+               forwards=forwards, journal_kib=kib)
     return out
 
 
 def summary(runs: dict[int, list[dict]], repeat: int) -> dict:
-    """Each stage's median per size (`<stage>_ms_<n>`, the token counts `<what>_n_<n>`),
-    printed as a table with a column per size."""
+    """Each stage's least time per size over the repeats, each stage on its own (the run
+    the shared machine disturbed least: `<stage>_ms_<n>`), and the counts' medians
+    (`<what>_n_<n>`), printed as a table with a column per size."""
     sizes = list(runs)
     results: dict = {}
     for n in sizes:
         for key in runs[n][0]:
-            results[f"{key}_{'ms' if key not in ('prompt_tokens', 'cached_tokens') else 'n'}"
-                    f"_{n}"] = statistics.median(run[key] for run in runs[n])
-    print(f"next turn ({NEW_TOKENS} new tokens), ms, median of {repeat}; CPU, tiny model")
+            results[f"{key}_{'n' if key in COUNTS else 'ms'}"
+                    f"_{n}"] = (statistics.median if key in COUNTS else min)(
+                        run[key] for run in runs[n])
+    print(f"next turn ({NEW_TOKENS} new tokens), ms, each stage's best of {repeat}; "
+          f"CPU, tiny model")
     print(f"{'stage':<44}" + "".join(f"{n:>10,}" for n in sizes))
     for key, label in [*SERVED, *HOST]:
         print(f"{label:<44}" + "".join(f"{results[f'{key}_ms_{n}']:>10.2f}" for n in sizes))
-    for key in ("prompt_tokens", "cached_tokens"):
+    for key in COUNTS:
         print(f"{key:<44}" + "".join(f"{results[f'{key}_n_{n}']:>10,.0f}" for n in sizes))
     return results
 
@@ -231,7 +258,7 @@ def server_options(sizes: tuple[int, ...], threads: int) -> list[str]:
             "--log-level", "WARNING"]
 
 
-def main(sizes: tuple[int, ...] = SIZES, repeat: int = 3, threads: int = 1,
+def main(sizes: tuple[int, ...] = SIZES, repeat: int = 5, threads: int = 1,
          json_path: str | None = None) -> int:
     from .sized_prompts import PromptMaker
     prompts = PromptMaker.for_model(None)
@@ -253,7 +280,7 @@ def add_bench_parser(sub) -> None:
                                     "contexts (CPU, the tiny model, an in-process server)")
     p.add_argument("--sizes", default=",".join(map(str, SIZES)),
                    help="conversation lengths in tokens before the next turn (comma-separated)")
-    p.add_argument("--repeat", type=int, default=3, help="conversations per size")
+    p.add_argument("--repeat", type=int, default=5, help="conversations per size")
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--json", default=None, help="also write the results here")
     p.set_defaults(func=lambda a: main(tuple(int(s) for s in a.sizes.split(",")), a.repeat,

@@ -18,6 +18,8 @@ def test_a_next_turn_measured_stage_by_stage(live, capsys):
         assert run["prefilled_to_client"] > -1   # the first token arrives after its prefill
         assert run["to_queued"] + run["queued_to_started"] + run["started_to_prefilled"] \
             <= run["ttft"] + 1
+        assert run["forwards"] >= 1 and run["journal_kib"] > 0
         assert results[f"ttft_ms_{n}"] == run["ttft"]
+        assert results[f"forwards_n_{n}"] == run["forwards"]
     table = capsys.readouterr().out
     assert all(label in table for _, label in [*SERVED, *HOST])
