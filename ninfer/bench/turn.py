@@ -240,8 +240,7 @@ def summary(runs: dict[int, list[dict]], repeat: int) -> dict:
             results[f"{key}_{'n' if key in COUNTS else 'ms'}"
                     f"_{n}"] = (statistics.median if key in COUNTS else min)(
                         run[key] for run in runs[n])
-    print(f"next turn ({NEW_TOKENS} new tokens), ms, each stage's best of {repeat}; "
-          f"CPU, tiny model")
+    print(f"next turn ({NEW_TOKENS} new tokens), ms, each stage's best of {repeat}")
     print(f"{'stage':<44}" + "".join(f"{n:>10,}" for n in sizes))
     for key, label in [*SERVED, *HOST]:
         print(f"{label:<44}" + "".join(f"{results[f'{key}_ms_{n}']:>10.2f}" for n in sizes))
@@ -250,38 +249,45 @@ def summary(runs: dict[int, list[dict]], repeat: int) -> dict:
     return results
 
 
-def server_options(sizes: tuple[int, ...], threads: int) -> list[str]:
+def server_options(sizes: tuple[int, ...], threads: int, device: str = "cpu",
+                   model: str | None = None) -> list[str]:
+    """A context that holds the longest conversation, KV for three, the device's dtype."""
+    from ..server.serve import default_dtype
     longest = max(sizes) + 1024
-    return ["--device", "cpu", "--dtype", "float32", "--prefill-chunk", "2048",
-            "--max-context", str(longest), "--kv-capacity", str(3 * longest),
-            "--max-concurrency", "2", "--torch-threads", str(threads),
-            "--log-level", "WARNING"]
+    return [*([model] if model else []), "--device", device, "--dtype", default_dtype(device),
+            "--prefill-chunk", "2048", "--max-context", str(longest),
+            "--kv-capacity", str(3 * longest), "--max-concurrency", "2",
+            "--torch-threads", str(threads), "--log-level", "WARNING"]
 
 
 def main(sizes: tuple[int, ...] = SIZES, repeat: int = 5, threads: int = 1,
-         json_path: str | None = None) -> int:
+         json_path: str | None = None, device: str = "cpu", model: str | None = None) -> int:
     from .sized_prompts import PromptMaker
-    prompts = PromptMaker.for_model(None)
-    options = server_options(sizes, threads)
+    prompts = PromptMaker.for_model(model)
+    options = server_options(sizes, threads, device, model)
     runs: dict[int, list[dict]] = {n: [] for n in sizes}
     with InProcessServer(options) as running:
         for r in range(repeat):
             for n in sizes:  # sizes interleaved: a drift of the shared machine hits all
                 runs[n].append(one_turn(running.url, running.server, running.journal, prompts,
                                         n, key=1000 * r + n))
+    print(f"{device}, {model or 'the default model'}")
     results = summary(runs, repeat)
     write_line({"bench": "turn", "results": results, "server_options": options,
-                "sizes": list(sizes), "repeat": repeat}, json_path)
+                "device": device, "sizes": list(sizes), "repeat": repeat}, json_path)
     return 0
 
 
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("turn", help="the next turn's time to first token, per stage, at long "
-                                    "contexts (CPU, the tiny model, an in-process server)")
+                                    "contexts (an in-process server; the CPU and the default "
+                                    "model unless told)")
     p.add_argument("--sizes", default=",".join(map(str, SIZES)),
                    help="conversation lengths in tokens before the next turn (comma-separated)")
     p.add_argument("--repeat", type=int, default=5, help="conversations per size")
     p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--model", default=None, help="a model directory or .ninfer file")
     p.add_argument("--json", default=None, help="also write the results here")
     p.set_defaults(func=lambda a: main(tuple(int(s) for s in a.sizes.split(",")), a.repeat,
-                                       a.torch_threads, a.json))
+                                       a.torch_threads, a.json, a.device, a.model))
