@@ -13,6 +13,7 @@ from .bench.agent import add_bench_parser as add_bench_agent_parser
 from .bench.drafting import add_bench_parser as add_bench_drafting_parser
 from .bench.serve import add_bench_parser as add_bench_serve_parser
 from .bench.serve_outside import add_outside_options
+from .bench.turn import add_bench_parser as add_bench_turn_parser
 from .model.presets import PRESETS
 from .server.serve import add_serve_parser
 from .tools.journal import add_journal_parser
@@ -186,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_outside_options(add_bench_serve_parser(bench_sub))
     add_bench_agent_parser(bench_sub)
     add_bench_drafting_parser(bench_sub)
+    add_bench_turn_parser(bench_sub)
     return parser
 
 

@@ -68,7 +68,7 @@ def problem(c: Submit, *, vocab_size: int, max_context: int,
     engine's grammars' (None: it constrains no output)."""
     if not c.prompt:
         return "prompt is empty"
-    if any(not 0 <= t < vocab_size for t in c.prompt):
+    if min(c.prompt) < 0 or max(c.prompt) >= vocab_size:  # C loops: prompts are long
         return f"token ids must be in [0, {vocab_size})"
     if len(c.prompt) >= max_context:
         return f"prompt of {len(c.prompt)} tokens exceeds max_context {max_context}"

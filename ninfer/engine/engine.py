@@ -217,10 +217,22 @@ class Engine:
         request = Request(
             id=c.id, prompt=c.prompt, session=c.session, tenant=c.tenant, log=self.log,
             mode=self.mode, params=c.params, boundaries=tuple(sorted(set(c.boundaries))),
-            shared_prefix=c.shared_prefix, journal_tokens=self.config.journal_tokens)
+            shared_prefix=c.shared_prefix, journal_tokens=self.config.journal_tokens,
+            hashes=self._known_hashes(c))
         self.requests[c.id] = request
         machine.admit(request)
         self.scheduler.admit(request)
+
+    def _known_hashes(self, c: Submit) -> tuple[int, ...]:
+        """The block hashes of the longest held checkpoint the tenant may plan from whose
+        tokens begin the prompt (compared in full), so admission hashes only the blocks
+        past it: a next turn's prompt is its last turn's and a few new tokens."""
+        for endpoint in self.store.candidates(c.tenant, c.session):
+            held = self.held.get(endpoint.checkpoint.id)
+            n = len(held.tokens) if held is not None else 0
+            if 0 < n <= len(c.prompt) and c.prompt[:n] == held.tokens:
+                return held.hashes
+        return ()
 
     def _guarded(self, live: Live, work: Callable[[Live], object]) -> None:
         """Run a lane's work; a broken state part fails the request, never the engine."""

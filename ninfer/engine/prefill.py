@@ -9,6 +9,7 @@ before the next chunk, and before a finished turn is published.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -105,9 +106,13 @@ class Prefill:
             if not self.free_slot():
                 return
             tokens = request.sequence[:position]
-            held = self.runner.capture(live.lane, self.checkpoint_id(request), tokens, role)
+            held = self.runner.capture(live.lane, self.checkpoint_id(request), tokens, role,
+                                       request.sequence_hashes)
             live.captures.append(held)
-            request.emit(ev.CheckpointCaptured, checkpoint=self.facts(held))
+            # timelines are its one reader: the ids (its request's prompt's prefix, already
+            # journaled) would make the row O(context) on the way to the first token
+            request.emit(ev.CheckpointCaptured,
+                         checkpoint=dataclasses.replace(self.facts(held), tokens=None))
         self._prune_fallbacks(live)
 
     def _prune_fallbacks(self, live: Live) -> None:

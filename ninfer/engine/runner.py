@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..lifecycle.facts import CheckpointFacts, Mode
-from ..lifecycle.hashing import block_hashes, prefix_hash
+from ..lifecycle.hashing import block_hashes, extend_block_hashes, prefix_hash
 from ..model.pools import BlockPool, OutOfMemory, SlotPool
 from ..model.protocol import Lane, MissingStatePart, Model, MtpOut
 from .choice import Choice
@@ -34,12 +34,17 @@ class Held:
     fence: int = 0       # Model.fence() when its parts were last written
     _hashes: tuple[int, ...] = field(default=(), repr=False)
 
-    def facts(self, model: Model, journal_tokens: bool) -> CheckpointFacts:
+    @property
+    def hashes(self) -> tuple[int, ...]:
+        """Block hashes of `tokens` (hashed once, unless given at capture)."""
         if not self._hashes and self.tokens:
             self._hashes = block_hashes(self.tokens)
+        return self._hashes
+
+    def facts(self, model: Model, journal_tokens: bool) -> CheckpointFacts:
         return CheckpointFacts(
-            id=self.id, position=self.position, block_hashes=self._hashes,
-            prefix_hash=prefix_hash(self.tokens, self.position, self._hashes),
+            id=self.id, position=self.position, block_hashes=self.hashes,
+            prefix_hash=prefix_hash(self.tokens, self.position, self.hashes),
             attn_kv=self.position, recurrent_at=self.position,
             mtp_kv=min(self.mtp_kv, max(self.position - 1, 0)), hidden_at=self.hidden_at,
             fenced=model.completed(self.fence), model=model.identity, dtypes=model.dtypes,
@@ -103,20 +108,21 @@ class Runner:
 
     def _share(self, table: list[int], positions: int) -> list[int]:
         shared = table[:self.blocks.blocks_for(positions)]
-        for block in shared:
-            self.blocks.incref(block)
+        self.blocks.share(shared)
         return shared
 
-    def capture(self, lane: Lane, cp_id: str, tokens: Sequence[int], role: str) -> Held:
+    def capture(self, lane: Lane, cp_id: str, tokens: Sequence[int], role: str,
+                hashes: tuple[int, ...] = ()) -> Held:
         """Snapshot the lane at its frontier len(tokens) while it goes on: blocks shared by
-        reference (positions below the frontier are never rewritten), the slot copied."""
+        reference (positions below the frontier are never rewritten), the slot copied.
+        `hashes`: block hashes of `tokens` or of a prefix of them, when the caller has them."""
         p = len(tokens)
         slot = self.slots.alloc()
         self.model.copy_slot(lane.slot, slot)
         return Held(cp_id, p, tuple(tokens), self._share(lane.attn_blocks, p),
                     self._share(lane.mtp_blocks, min(lane.mtp_valid, p - 1)),
                     min(lane.mtp_valid, p - 1), slot, self._hidden_at(lane, p), role,
-                    self.model.fence())
+                    self.model.fence(), _hashes=extend_block_hashes(tokens, hashes))
 
     def extend(self, held: Held, lane: Lane) -> None:
         """The MTP layer caught up: a capture of this lane now covers more MTP KV."""
@@ -130,8 +136,10 @@ class Runner:
         held.mtp_kv = upto
         held.fence = lane.fence
 
-    def hand_over(self, lane: Lane, cp_id: str, tokens: Sequence[int]) -> Held:
-        """The lane's own storage becomes the frontier checkpoint (the request is leaving)."""
+    def hand_over(self, lane: Lane, cp_id: str, tokens: Sequence[int],
+                  hashes: tuple[int, ...] = ()) -> Held:
+        """The lane's own storage becomes the frontier checkpoint (the request is leaving).
+        `hashes`: as for `capture`."""
         p = len(tokens)
         keep_a = self.blocks.blocks_for(p)
         keep_m = self.blocks.blocks_for(min(lane.mtp_valid, p - 1))
@@ -139,7 +147,7 @@ class Runner:
         self.blocks.release(lane.mtp_blocks[keep_m:])
         held = Held(cp_id, p, tuple(tokens), lane.attn_blocks[:keep_a], lane.mtp_blocks[:keep_m],
                     min(lane.mtp_valid, p - 1), lane.slot, self._hidden_at(lane, p), "frontier",
-                    lane.fence)
+                    lane.fence, _hashes=extend_block_hashes(tokens, hashes))
         lane.attn_blocks, lane.mtp_blocks, lane.slot = [], [], -1
         return held
 
@@ -168,8 +176,7 @@ class Runner:
     def _share_full(self, table: list[int], n: int) -> list[int]:
         full, rest = divmod(n, self.blocks.block_size)
         out = table[:full]
-        for block in out:
-            self.blocks.incref(block)
+        self.blocks.share(out)
         if rest:
             tail = self.blocks.alloc()
             self.model.copy_block(table[full], tail, rest)

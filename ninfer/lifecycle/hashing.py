@@ -16,9 +16,18 @@ def _digest(prev: int, tokens) -> int:
 
 def block_hashes(tokens) -> tuple[int, ...]:
     """Chained hashes of every full HASH_BLOCK of `tokens`."""
-    out = []
-    prev = 0
-    for start in range(0, len(tokens) - HASH_BLOCK + 1, HASH_BLOCK):
+    return extend_block_hashes(tokens, ())
+
+
+def extend_block_hashes(tokens, known: tuple[int, ...]) -> tuple[int, ...]:
+    """`block_hashes(tokens)`, given `known`: the block hashes of some prefix of `tokens`
+    (the chain makes them the leading ones), so only the blocks past it are hashed."""
+    full = len(tokens) // HASH_BLOCK
+    if full <= len(known):
+        return known[:full]
+    out = list(known)
+    prev = known[-1] if known else 0
+    for start in range(len(known) * HASH_BLOCK, full * HASH_BLOCK, HASH_BLOCK):
         prev = _digest(prev, tokens[start:start + HASH_BLOCK])
         out.append(prev)
     return tuple(out)

@@ -15,7 +15,7 @@ from typing import Any
 from . import adoption, salvage
 from .eventlog import EventLog
 from .facts import Mode
-from .hashing import block_hashes
+from .hashing import extend_block_hashes
 from .planner import Plan
 
 
@@ -116,10 +116,11 @@ class Request:
     cursor: int = 0                    # the state frontier: tokens whose state is computed
     stop_reason: str | None = None
     failure: tuple[str, str] | None = None
-    hashes: tuple[int, ...] = ()
+    hashes: tuple[int, ...] = ()       # the prompt's block hashes (given: a prefix's)
 
     def __post_init__(self) -> None:
-        self.hashes = block_hashes(self.prompt)
+        # `hashes` given: a prefix's, checked by the caller (the chain extends them)
+        self.hashes = extend_block_hashes(self.prompt, self.hashes)
 
     # --- derived ------------------------------------------------------------------------
 
@@ -135,8 +136,9 @@ class Request:
 
     @property
     def sequence_hashes(self) -> tuple[int, ...]:
-        """Block hashes of `sequence` (the prompt's are computed once, at admission)."""
-        return block_hashes(self.sequence) if self.outputs else self.hashes
+        """Block hashes of `sequence` (the prompt's are computed once, at admission; only
+        the output's blocks are hashed here)."""
+        return extend_block_hashes(self.sequence, self.hashes) if self.outputs else self.hashes
 
     @property
     def detached_goal(self) -> int:

@@ -40,6 +40,13 @@ class BlockPool:
         assert self.refs[block] > 0, f"incref of free block {block}"
         self.refs[block] += 1
 
+    def share(self, blocks: list[int]) -> None:
+        """`incref` each of `blocks` (a checkpoint's table: thousands at 32K of context)."""
+        refs = self.refs
+        for block in blocks:
+            assert refs[block] > 0, f"incref of free block {block}"
+            refs[block] += 1
+
     def decref(self, block: int) -> None:
         assert self.refs[block] > 0, f"decref of free block {block}"
         self.refs[block] -= 1
@@ -47,8 +54,12 @@ class BlockPool:
             self._free.append(block)
 
     def release(self, blocks: list[int]) -> None:
+        refs, free = self.refs, self._free
         for block in blocks:
-            self.decref(block)
+            assert refs[block] > 0, f"decref of free block {block}"
+            refs[block] -= 1
+            if refs[block] == 0:
+                free.append(block)
         blocks.clear()
 
 

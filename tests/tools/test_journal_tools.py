@@ -279,7 +279,8 @@ def test_lean_reading_leaves_token_ids_out_and_nothing_else(journal):
         elif a.kind in ("EndpointPublished", "CheckpointCaptured"):
             fa = a.endpoint.checkpoint if a.kind == "EndpointPublished" else a.checkpoint
             fb = b.endpoint.checkpoint if b.kind == "EndpointPublished" else b.checkpoint
-            assert fb.tokens is None and fa.tokens
+            assert fb.tokens is None
+            assert fa.tokens or a.kind == "CheckpointCaptured"  # a capture's: never journaled
             assert dataclasses.replace(fa, tokens=None) == fb
         else:
             assert a == b
