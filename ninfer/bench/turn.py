@@ -262,7 +262,9 @@ def server_options(sizes: tuple[int, ...], threads: int, device: str = "cpu",
 
 def main(sizes: tuple[int, ...] = SIZES, repeat: int = 5, threads: int = 1,
          json_path: str | None = None, device: str = "cpu", model: str | None = None) -> int:
+    from ..model.runtime import benchmark_on_the_random_model
     from .sized_prompts import PromptMaker
+    benchmark_on_the_random_model()
     prompts = PromptMaker.for_model(model)
     options = server_options(sizes, threads, device, model)
     runs: dict[int, list[dict]] = {n: [] for n in sizes}
@@ -271,7 +273,7 @@ def main(sizes: tuple[int, ...] = SIZES, repeat: int = 5, threads: int = 1,
             for n in sizes:  # sizes interleaved: a drift of the shared machine hits all
                 runs[n].append(one_turn(running.url, running.server, running.journal, prompts,
                                         n, key=1000 * r + n))
-    print(f"{device}, {model or 'the default model'}")
+    print(f"{device}, {model or 'the random tiny model'}")
     results = summary(runs, repeat)
     write_line({"bench": "turn", "results": results, "server_options": options,
                 "device": device, "sizes": list(sizes), "repeat": repeat}, json_path)
@@ -280,8 +282,8 @@ def main(sizes: tuple[int, ...] = SIZES, repeat: int = 5, threads: int = 1,
 
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("turn", help="the next turn's time to first token, per stage, at long "
-                                    "contexts (an in-process server; the CPU and the default "
-                                    "model unless told)")
+                                    "contexts (an in-process server; the CPU and the random "
+                                    "tiny model unless told)")
     p.add_argument("--sizes", default=",".join(map(str, SIZES)),
                    help="conversation lengths in tokens before the next turn (comma-separated)")
     p.add_argument("--repeat", type=int, default=5, help="conversations per size")
