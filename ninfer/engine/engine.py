@@ -159,9 +159,9 @@ class Engine:
                 long = paced and self._long_prompt(live.request)
                 if long and prefilled:
                     continue  # one paced chunk per step
-                live.chunk_limit = self.pacing.chunk(True) if long else None
+                limit = self.pacing.size if long else None
                 cursor = live.request.cursor
-                self._guarded(live, self._prefill_step)
+                self._guarded(live, lambda x, limit=limit: self._prefill_step(x, limit))
                 if long:
                     prefilled += max(live.request.cursor - cursor, 0)
                 else:
@@ -356,8 +356,10 @@ class Engine:
         base = request.plan.reuse_base if request.plan is not None else 0
         return request.prefill_goal - base > self.config.prefill_chunk
 
-    def _prefill_step(self, live: Live) -> None:
-        done = self.prefill.step(live, live.chunk_limit)
+    def _prefill_step(self, live: Live, limit: int | None = None) -> None:
+        """One prefill chunk of `live`, of at most `limit` prompt tokens (None: a whole
+        chunk)."""
+        done = self.prefill.step(live, limit)
         if done is not None:
             machine.fire(live.request, "prefilled", first_token=done.first_token)
             if done.stop is not None:

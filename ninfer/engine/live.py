@@ -19,8 +19,7 @@ if TYPE_CHECKING:
 @dataclass(eq=False)
 class Live:
     """A request holding a lane: its storage, its captured checkpoints, how it drafts and
-    chooses tokens, the round it drafted this step (until the step's verify), and the most
-    prompt tokens its prefill chunk may take this step (None: a whole chunk; pacing.py)."""
+    chooses tokens, and the round it drafted this step (until the step's verify)."""
 
     request: Request
     lane: Lane
@@ -28,7 +27,6 @@ class Live:
     choice: Choice
     captures: list[Held] = field(default_factory=list)
     round: DraftedRound | None = None
-    chunk_limit: int | None = None
 
 
 # Reserve blocks for a lane's next work (attention KV up to, MTP KV up to); False when the

@@ -24,7 +24,8 @@ class PrefillPacing:
             raise ValueError("the decode gap must be more than one step")
         self.gap, self.largest, self.smallest = gap, largest, min(smallest, largest)
         self.clock = clock
-        self.size = self.smallest       # the chunk beside decoding lanes, grown from below
+        self.size = self.smallest       # a long prompt's chunk beside decoding lanes (a
+        #                                 prefill alone takes `largest`), grown from below
         self.decode_s: float | None = None  # a decode step's time, running figure
         self._began = 0.0
 
@@ -33,10 +34,6 @@ class PrefillPacing:
         """The time a prefill chunk may take beside decoding lanes: the gap less the decode
         step itself, three quarters of it (a quarter left for the machine's noise)."""
         return None if self.decode_s is None else 0.75 * (self.gap - 1) * self.decode_s
-
-    def chunk(self, decoding: bool) -> int:
-        """Prompt tokens a prefill chunk may take in the step about to run."""
-        return self.size if decoding else self.largest
 
     def begin(self) -> None:
         self._began = self.clock()

@@ -55,6 +55,29 @@ def test_unpaced_prefills_run_side_by_side():  # the rule above is the pacing's 
     assert _chunks_without_a_decode_between(_run(decode_gap=0.0)) > 0
 
 
+def test_a_long_prompt_beside_a_decoding_lane_takes_chunks_of_the_pacings_size():
+    """The size PrefillPacing chose is the chunk the engine runs (a clock that never moves
+    keeps it at its smallest, 16, against the engine's chunk of 64)."""
+    engine = make_sim_engine(EngineConfig(max_concurrency=2, prefill_chunk=64, max_context=512,
+                                          decode_gap=3.0), num_blocks=512)
+    engine.pacing.clock = lambda: 0.0
+    engine.submit(Submit("decoder", tuple(range(10, 20)), None, "t",
+                         SamplingParams(max_tokens=200)))
+    for _ in range(3):
+        engine.step()
+    engine.submit(Submit("long", tuple(i % 90 + 3 for i in range(200)), None, "t",
+                         SamplingParams(max_tokens=2)))
+    cursors = [0]
+    for _ in range(100):
+        cursors += [e.cursor for e in engine.step()
+                    if e.kind == "PrefillAdvanced" and e.request == "long"]
+        if engine.requests["long"].state not in ("Queued", "Prefilling"):
+            break
+    assert engine.requests["decoder"].state == "Active" and cursors[-1] >= 199
+    steps = [b - a for a, b in zip(cursors[:-1], cursors[1:], strict=True)]
+    assert len(steps) >= 12 and max(steps) <= engine.pacing.size == 16
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 0.0
@@ -73,18 +96,18 @@ def _step(pacing: PrefillPacing, clock: Clock, seconds: float, decoded: bool,
 def test_the_chunk_beside_decoding_lanes_settles_where_its_time_meets_the_target():
     clock = Clock()
     pacing = PrefillPacing(3.0, 512, smallest=16, clock=clock)
-    assert pacing.chunk(decoding=False) == 512 and pacing.chunk(decoding=True) == 16
+    assert pacing.largest == 512 and pacing.size == 16
     _step(pacing, clock, 0.010, True, 0)          # a decode step: 10 ms
     assert pacing.target_s == pytest.approx(0.015)
     for _ in range(40):                             # a chunk costs 1 ms + 0.1 ms a token
-        size = pacing.chunk(decoding=True)
+        size = pacing.size
         _step(pacing, clock, 0.010 + 0.001 + 0.0001 * size, True, size)
-    assert pacing.chunk(decoding=True) == pytest.approx(140, abs=3)
-    size = pacing.chunk(decoding=True)
+    assert pacing.size == pytest.approx(140, abs=3)
+    size = pacing.size
     _step(pacing, clock, 0.011, True, 5)            # a prompt's short tail moves nothing
-    assert pacing.chunk(decoding=True) == size
+    assert pacing.size == size
     _step(pacing, clock, 1.0, False, 512)           # a prefill alone moves nothing either
-    assert pacing.chunk(decoding=True) == size
+    assert pacing.size == size
 
 
 def test_a_gap_of_one_step_or_less_is_refused():
