@@ -43,6 +43,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the share of tool examples whose functions and parameters get "
                              "made-up names, so a call is right only when its names are "
                              "copied from the tools listed (default 0: the recipe's)")
+    corpus.add_argument("--tool-examples", type=int, default=None, metavar="N",
+                        help="tool conversations per function usable as a tool (default 6: "
+                             "the recipe's)")
     corpus.set_defaults(func=_corpus)
 
     run = sub.add_parser("run", help="train the model on a built corpus",
@@ -114,10 +117,13 @@ def _share(value: str) -> float:
 
 
 def _corpus(args: argparse.Namespace) -> int:
-    from .corpus import VOCAB_SIZE, Corpus, build
+    from .corpus import TOOL_EXAMPLES_PER_FUNCTION, VOCAB_SIZE, Corpus, build
+    if args.tool_examples is not None and args.tool_examples < 1:
+        raise SystemExit("--tool-examples: must be at least 1")
     modules = args.modules.split(",") if args.modules else None
     out = build(args.out, modules=modules, seed=args.seed,
                 vocab_size=args.vocab_size or VOCAB_SIZE, made_up_tools=args.made_up_tools,
+                tool_examples=args.tool_examples or TOOL_EXAMPLES_PER_FUNCTION,
                 progress=lambda stage: print(stage, file=sys.stderr, flush=True))
     corpus = Corpus.open(out)
     print(json.dumps({"corpus": str(out), "sha256": corpus.sha256,

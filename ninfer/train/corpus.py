@@ -98,7 +98,7 @@ def _continuation(text: str) -> str:
 
 def build(out_dir: str | Path, *, modules: Sequence[str] | None = None, seed: int = 0,
           vocab_size: int = VOCAB_SIZE, made_up_tools: float = MADE_UP_TOOLS,
-          root: Path | None = None,
+          tool_examples: int = TOOL_EXAMPLES_PER_FUNCTION, root: Path | None = None,
           progress: Callable[[str], None] = lambda _: None) -> Path:
     """Build the corpus into `out_dir` (absent or empty). `modules`: only these top-level
     stdlib modules (a slice, for tests, with a smaller `vocab_size`); `root`: another stdlib
@@ -119,8 +119,9 @@ def build(out_dir: str | Path, *, modules: Sequence[str] | None = None, seed: in
     template = trained_template()
     chats = [ex.docstring_example(fn, rng) for fn in train_fns if ex.answerable(fn)]
     pool = [fn for fn in train_fns if ex.usable_as_tool(fn)]
-    chats += ex.tool_examples(pool, TOOL_EXAMPLES_PER_FUNCTION * len(pool), rng,
-                              made_up=made_up_tools) if pool else []
+    chats += ex.tool_examples(pool, tool_examples * len(pool), rng,
+                              made_up=made_up_tools,
+                              naming=random.Random(f"made-up names {seed}")) if pool else []
     documents = [f.text for f in train_files] + [ex.render(template, c) for c in chats]
     rng.shuffle(documents)
     eval_docstrings, eval_tools = _eval_items(held_fns, rng)
@@ -153,7 +154,9 @@ def build(out_dir: str | Path, *, modules: Sequence[str] | None = None, seed: in
         "python": platform.python_version(),
         "rules": {"excluded_folders": sorted(EXCLUDED_FOLDERS), "generated_mark": GENERATED_MARK,
                   "held_out_modules": list(HELD_OUT), "modules": list(modules or []) or None,
-                  **({"made_up_tools": made_up_tools} if made_up_tools else {})},
+                  **({"made_up_tools": made_up_tools} if made_up_tools else {}),
+                  **({"tool_examples_per_function": tool_examples}
+                     if tool_examples != TOOL_EXAMPLES_PER_FUNCTION else {})},
         "seed": seed,
         "files_sha256": joint_sha256(files),
         "counts": {"source_files": len(files), "train_files": len(train_files),

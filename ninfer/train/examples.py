@@ -247,10 +247,14 @@ def renamed(functions: Sequence[Function], rng: random.Random) -> list[Function]
 
 
 def tool_examples(pool: Sequence[Function], count: int, rng: random.Random,
-                  *, complete: bool = True, made_up: float = 0.0) -> list[Example]:
+                  *, complete: bool = True, made_up: float = 0.0,
+                  naming: random.Random | None = None) -> list[Example]:
     """`count` tool conversations over `pool`: each function in turn as the target (the
     pool shuffled, then cycled), with up to three other functions of distinct names; in a
-    share `made_up` of them every listed function is `renamed`."""
+    share `made_up` of them every listed function is `renamed`. Which ones, and their new
+    names, are drawn from `naming` (default: seeded with 0), never from `rng`: the other
+    draws, the held-out prompts' after them included, are those of `made_up` 0."""
+    naming = naming or random.Random(0)
     order = list(pool)
     rng.shuffle(order)
     out = []
@@ -261,7 +265,7 @@ def tool_examples(pool: Sequence[Function], count: int, rng: random.Random,
             if len(others) < wanted and other.name not in names:
                 others.append(other)
                 names.add(other.name)
-        if made_up and rng.random() < made_up:  # (none: the draws of corpora before it)
-            target, *others = renamed([target, *others], rng)
+        if made_up and naming.random() < made_up:
+            target, *others = renamed([target, *others], naming)
         out.append(tool_example(target, others, rng, complete=complete))
     return out

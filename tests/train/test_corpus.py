@@ -187,5 +187,7 @@ def test_no_made_up_tools_draws_what_corpora_before_them_drew():
     after = rng.random()
     rng = random.Random(5)
     assert ex.tool_examples(pool, 40, rng, made_up=0.0) == plain and rng.random() == after
-    some = ex.tool_examples(pool, 40, random.Random(5), made_up=0.5)
+    rng = random.Random(5)
+    some = ex.tool_examples(pool, 40, rng, made_up=0.5)
     assert some != plain
+    assert rng.random() == after  # the renaming draws from its own: what follows is alike
