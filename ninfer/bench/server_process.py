@@ -6,6 +6,7 @@ moment it is started to its port answering and to `/health` answering 200, stopp
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -43,11 +44,11 @@ def _tail(log: Path, lines: int = 40) -> str:
 
 
 @contextlib.contextmanager
-def started(options: Sequence[str], folder: Path, *,
-            ready_within: float = 1200) -> Iterator[Started]:
+def started(options: Sequence[str], folder: Path, *, ready_within: float = 1200,
+            env: dict[str, str] | None = None) -> Iterator[Started]:
     """`ninfer serve OPTIONS --port P --journal FOLDER/journal.db`, its output in
-    FOLDER/serve.log, ready, until the block ends. A process that exits or is not ready in
-    time raises RuntimeError with its log's tail."""
+    FOLDER/serve.log, ready, until the block ends; `env`: variables set for it. A process
+    that exits or is not ready in time raises RuntimeError with its log's tail."""
     import httpx
     folder.mkdir(parents=True, exist_ok=True)
     log = folder / "serve.log"
@@ -57,7 +58,8 @@ def started(options: Sequence[str], folder: Path, *,
                "--journal", str(folder / "journal.db")]
     with open(log, "w") as out:
         t0 = time.perf_counter()
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                   env={**os.environ, **env} if env else None)
     try:
         port_open = None
         while True:

@@ -69,6 +69,29 @@ WIDTHS = (64, 256, 1024, 4096, 16384)   # block-table columns (x block_size posi
 RING = 4   # pinned staging buffers per graph (a power of two): reused once their step completed
 
 
+def bucket(values: tuple[int, ...], n: int) -> int:
+    """The smallest of `values` (ascending) that holds `n`; the largest when none does."""
+    return next((v for v in values if v >= n), values[-1])
+
+
+def graph_shapes(*, max_context: int, block_size: int, lanes: int, verify_tokens: int = 0,
+                 mtp: bool = False) -> dict[str, list[tuple[int, ...]]]:
+    """Every graph shape a server of `lanes` lanes and `max_context` positions a lane can
+    replay: decode (S, W), verify (S, T, W) for T = 2 .. `verify_tokens` (none below 2),
+    and with `mtp` the MTP head's (T, W) for T = 1 .. `FLAGS.mtp_graph_span` (a draft, a
+    round's catch-up). S runs up to the batch size that holds `lanes`, W up to the width
+    that holds a lane at `max_context` (a block the engine reserves early past it, for a
+    step that never comes, is left to a capture on first use)."""
+    from .spec_graphs import MAX_TOKENS
+    sizes = [s for s in SIZES if s <= bucket(SIZES, lanes)]
+    widths = [w for w in WIDTHS if w <= bucket(WIDTHS, -(-max_context // block_size))]
+    spans = range(2, min(verify_tokens, MAX_TOKENS) + 1)
+    return {"decode": [(S, W) for S in sizes for W in widths],
+            "verify": [(S, T, W) for S in sizes for T in spans for W in widths],
+            "mtp": [(T, W) for T in range(1, FLAGS.mtp_graph_span + 1) for W in widths]
+            if mtp and verify_tokens >= 2 else []}
+
+
 def warm_and_capture(forward, pool):
     """(graph, what forward() returned in it): forward run twice first on a side stream
     (Triton compiles, cuBLAS picks its kernels: not inside a capture), then captured into
@@ -230,8 +253,8 @@ class DecodeGraphs:
         (its key, left on the device); `dests` (None: in place) are where the GDN states
         go."""
         B = len(lanes)
-        S = next(s for s in SIZES if s >= B)
-        W = next(w for w in WIDTHS if w >= max(len(x.attn_blocks) for x in lanes))
+        S = bucket(SIZES, B)
+        W = bucket(WIDTHS, max(len(x.attn_blocks) for x in lanes))
         cap = self.graphs.get((S, W))
         if cap is None:
             if tokens is None:  # a capture would reset the keys that feed this step

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ..flags import FLAGS
 from .gdn import SlotGDNState
-from .graphs import SIZES, WIDTHS, warm_and_capture
+from .graphs import SIZES, WIDTHS, bucket, warm_and_capture
 from .hybrid import ForwardOutput, HybridState
 from .protocol import MtpOut
 
@@ -72,8 +72,8 @@ class VerifyGraphs:
         and hidden states [B, T, D] (copies), per-position states in the graph's outputs
         (rows past B are padding)."""
         B, T = len(lanes), len(tokens[0])
-        S = next(s for s in SIZES if s >= B)
-        W = next(w for w in WIDTHS if w >= max(len(x.attn_blocks) for x in lanes))
+        S = bucket(SIZES, B)
+        W = bucket(WIDTHS, max(len(x.attn_blocks) for x in lanes))
         cap = self.graphs.get((S, T, W)) or self._capture(S, T, W)
         host = cap.staging.numpy()  # the last replay's copy has completed: its caller
         host[:] = 0                 # read its greedy tokens before returning
@@ -151,7 +151,7 @@ class MtpGraphs:
         tokens after each: the last entry's greedy draft, output hidden state and logits
         (copies)."""
         T = len(hidden)
-        W = next(w for w in WIDTHS if w >= len(lane.mtp_blocks))
+        W = bucket(WIDTHS, len(lane.mtp_blocks))
         cap = self.graphs.get((T, W)) or self._capture(T, W)
         host = cap.staging.numpy()  # free: the last replay's caller read its draft
         host[:T] = next_tokens

@@ -8,6 +8,7 @@ tail and recurrent matrix of every linear-attention layer plus the last hidden s
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -417,6 +418,43 @@ class TorchModel:
 
     def completed(self, marker: int) -> bool:
         return marker <= self._completed
+
+    def capture_graphs(self, *, max_context: int, lanes: int,
+                       verify_tokens: int = 0) -> dict | None:
+        """Capture now every CUDA graph a request could otherwise capture on its first step
+        of that shape (the warm-up: `ninfer.server.warmup`): decode graphs of every batch
+        size up to `lanes` and block-table width up to `max_context`'s; with
+        `verify_tokens` (a round's drafts + 1; 0: no speculation) the verify graphs of 2 ..
+        that many tokens, and the MTP graphs when the net has the head. A report (counts,
+        seconds, the graph memory the captures took), None without graphs."""
+        if self.graphs is None:
+            return None
+        from .graphs import graph_shapes
+        began = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_reserved(self.device)
+        self.graphs.drop_ahead()
+        shapes = graph_shapes(max_context=max_context, block_size=self.block_size,
+                              lanes=lanes, verify_tokens=verify_tokens,
+                              mtp=self.mtp_graphs is not None)
+        counts = {"decode": 0, "verify": 0, "mtp": 0}
+        with torch.inference_mode():
+            for S, W in shapes["decode"]:
+                if (S, W) not in self.graphs.graphs:
+                    self.graphs._capture(S, W)
+                counts["decode"] += 1
+            for S, T, W in shapes["verify"]:
+                if (S, T, W) not in self.verify_graphs.graphs:
+                    self.verify_graphs._capture(S, T, W)
+                counts["verify"] += 1
+            for T, W in shapes["mtp"]:
+                if (T, W) not in self.mtp_graphs.graphs:
+                    self.mtp_graphs._capture(T, W)
+                counts["mtp"] += 1
+        torch.cuda.synchronize(self.device)
+        return {**counts, "count": sum(counts.values()),
+                "seconds": time.perf_counter() - began,
+                "memory_bytes": torch.cuda.memory_reserved(self.device) - before}
 
     def synchronize(self) -> None:
         """Wait for the engine's work: all of it, but not a step run ahead that nothing

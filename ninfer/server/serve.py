@@ -311,24 +311,6 @@ def load(args: argparse.Namespace) -> Loaded:
     return Loaded(thread, om.tokenizer, om.template, om.name, ranks)
 
 
-def warm_up(server) -> None:
-    """One short request through the whole engine, then drop what it published."""
-    from ..engine.engine import Submit
-    from ..lifecycle.request import SamplingParams
-
-    ids = tuple(server.tokenizer.encode("warm up the engine"))
-    handle = server.thread.submit(Submit(f"warmup-{server.boot}", ids, None, "ninfer-warmup",
-                                         SamplingParams(max_tokens=2)))
-    handle.wait(600)
-
-    def drop(engine) -> None:
-        for endpoint_id, stored in list(engine.store.endpoints.items()):
-            if stored.facts.tenant == "ninfer-warmup":
-                engine.evict(endpoint_id, "warmup")
-
-    server.thread.call(drop).result(60)
-
-
 def recall_history(server) -> int:
     """After a restart, each branch's private endpoint (restored from disk) tells the ids
     its next prompt is spliced onto: the in-memory history died with the process. Returns
@@ -380,6 +362,7 @@ def build(args: argparse.Namespace):
     """The app, with loading and warm-up started in the background by its lifespan."""
     from ..model.runtime import default_model
     from .app import Server, create_app
+    from .warmup import warm_up
 
     name = args.model_id or (Path(args.model).name.removesuffix(".ninfer") if args.model
                              else default_model()[1])
@@ -392,7 +375,7 @@ def build(args: argparse.Namespace):
             result = load(args)
             loaded.append(result)
             server.attach(result.thread, result.tokenizer, result.template)
-            warm_up(server)
+            warm_up(server, verify_tokens=args.draft_tokens + 1 if args.spec != "none" else 0)
             recalled = recall_history(server)
             if recalled:
                 log.info("recalled %d conversations from durable endpoints", recalled)

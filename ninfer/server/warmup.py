@@ -1,0 +1,146 @@
+"""Warm-up before ready: everything a request can hit for the first time is made before
+`/health` says 200, so the first request of each shape costs what a repeat costs.
+
+Two parts, both on the engine thread, timed and logged:
+
+- requests (`REQUESTS`), each through the whole engine: a prompt of one whole prefill chunk
+  and an unaligned rest, its next turn (a restore, then a delta prefill at an unaligned
+  position), a one-token next turn, short prompts prefilled and decoded together, a
+  sampled request. Triton specialises a kernel on its integer arguments (one, a multiple
+  of 16, anything else): these lengths and offsets compile every variant a prompt can
+  need, and the cuBLAS and attention paths of a prefill, a restore and a decode run once;
+- CUDA graphs (`TorchModel.capture_graphs`): every decode graph (batch sizes up to
+  --max-concurrency, block-table widths up to --max-context's), and with `--spec mtp` every
+  verify and MTP graph, captured now instead of on a request's first step of that shape.
+
+What the warm-up publishes is evicted. Triton keeps its compiled kernels on disk
+(`TRITON_CACHE_DIR`, default ~/.triton/cache), so a second start compiles nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+from ..engine.engine import Submit
+from ..lifecycle import events as ev
+from ..lifecycle.request import SamplingParams
+
+log = logging.getLogger("ninfer.server")
+
+TENANT = "ninfer-warmup"
+UNALIGNED = 37        # a rest past a whole chunk, and offsets, that no power of two divides
+NEW_TURN = 29         # a next turn's new tokens (unaligned too)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One warm-up request: `prompt` tokens (or, with `after`, that request's prompt and
+    output followed by `prompt` new tokens: its next turn), `tokens` to generate."""
+
+    name: str
+    prompt: int
+    tokens: int
+    after: str | None = None
+    sampled: bool = False
+    group: int = 0      # requests of one group are submitted together (decoded as a batch)
+
+
+def planned(chunk: int, max_context: int) -> list[Planned]:
+    """The warm-up's requests for prefill chunks of `chunk` tokens, each prompt within
+    `max_context` with its output."""
+    first = min(chunk + UNALIGNED, max(1, max_context // 2 - 16))
+    return [Planned("chunk-and-rest", first, 8, group=0),
+            Planned("next-turn", NEW_TURN, 4, after="chunk-and-rest", group=1),
+            Planned("one-token-turn", 1, 2, after="next-turn", group=2),
+            Planned("aligned", 48, 6, group=3), Planned("short", 5, 6, group=3),
+            Planned("odd", 100, 6, group=3),
+            Planned("sampled", 21, 4, sampled=True, group=4)]
+
+
+@dataclass
+class WarmUp:
+    requests: int = 0
+    reused: int = 0                # of them, started from a stored state (the next turns)
+    requests_s: float = 0.0
+    graphs: dict | None = None     # TorchModel.capture_graphs's report (None: no graphs)
+    total_s: float = 0.0
+
+
+def warm_up(server, *, verify_tokens: int = 0, full: bool | None = None) -> WarmUp:
+    """Run the warm-up on `server`'s engine (the model loaded, not yet ready) and drop what
+    it published. `verify_tokens`: the longest verify a round may run (drafts + 1), 0
+    without speculation. `full` (default: on a GPU) runs every planned request; otherwise
+    only the short one (the CPU compiles nothing per shape). Raises if a warm-up request
+    does not finish: a server that cannot answer these must not say it is ready."""
+    began = time.monotonic()
+    thread = server.thread
+    config = thread.engine.config
+    if full is None:
+        full = getattr(getattr(thread.engine.model, "device", None), "type", "cpu") != "cpu"
+    report = WarmUp()
+    rng = random.Random(0)
+    vocab = thread.engine.model.vocab_size   # (the ids reach the engine, not a detokeniser)
+    outputs: dict[str, tuple[int, ...]] = {}
+    sessions: dict[str, str] = {}   # a next turn continues its first turn's session
+    plan = planned(config.prefill_chunk, config.max_context) if full \
+        else [Planned("short", 5, 2)]
+    for group in sorted({p.group for p in plan}):
+        handles = []
+        for p in (p for p in plan if p.group == group):
+            if p.after and p.after not in outputs:
+                continue   # (its first turn was left out)
+            head = outputs[p.after] if p.after else ()
+            sessions[p.name] = sessions[p.after] if p.after else f"warmup-{p.name}"
+            session = sessions[p.name] if full else None
+            prompt = head + tuple(rng.randrange(vocab) for _ in range(p.prompt))
+            if len(prompt) + p.tokens > config.max_context:
+                continue   # (a --max-context too small for it: a later turn is left out)
+            params = SamplingParams(max_tokens=p.tokens, temperature=0.8, top_p=0.9,
+                                    top_k=20, seed=1) if p.sampled \
+                else SamplingParams(max_tokens=p.tokens)
+            tokens: list[int] = []
+
+            def seen(e: ev.Event, into: list[int] = tokens) -> None:
+                if isinstance(e, ev.TokensCommitted):
+                    into.extend(e.tokens or ())
+                elif isinstance(e, ev.RequestStarted) and e.reuse_base > 0:
+                    report.reused += 1
+
+            handle = thread.submit(Submit(f"warmup-{server.boot}-{p.name}", prompt,
+                                          session, TENANT, params), on_event=seen)
+            handles.append((p, prompt, tokens, handle))
+        for p, prompt, tokens, handle in handles:
+            outcome = handle.wait(600)
+            if not isinstance(outcome, ev.RequestFinished):
+                raise RuntimeError(f"warm-up request {p.name!r} ended with {outcome!r}")
+            outputs[p.name] = prompt + tuple(tokens)
+            report.requests += 1
+    report.requests_s = time.monotonic() - began
+
+    def capture(engine):
+        model = engine.model
+        if not hasattr(model, "capture_graphs"):
+            return None
+        return model.capture_graphs(max_context=engine.config.max_context,
+                                    lanes=engine.config.max_concurrency,
+                                    verify_tokens=verify_tokens)
+
+    report.graphs = thread.call(capture).result(1800)
+
+    def drop(engine) -> None:
+        for endpoint_id, stored in list(engine.store.endpoints.items()):
+            if stored.facts.tenant == TENANT:
+                engine.evict(endpoint_id, "warmup")
+
+    thread.call(drop).result(60)
+    report.total_s = time.monotonic() - began
+    g = report.graphs
+    log.info("warm-up: %d requests (%d from a stored state) in %.1f s%s; %.1f s in all",
+             report.requests, report.reused, report.requests_s,
+             "" if not g else f"; {g['count']} CUDA graphs ({g['decode']} decode, "
+             f"{g['verify']} verify, {g['mtp']} MTP) captured in {g['seconds']:.1f} s, "
+             f"graph memory {g['memory_bytes'] / 2**20:,.0f} MiB", report.total_s)
+    return report

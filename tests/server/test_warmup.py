@@ -1,0 +1,71 @@
+"""The warm-up before ready: its requests go through the whole engine (a next turn from a
+stored state among them), nothing it published stays, and the graph shapes it captures
+cover every batch size and width a server of that size replays."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from ninfer.engine.engine import EngineConfig
+from ninfer.engine.thread import EngineThread
+from ninfer.lifecycle.checks import JournalChecker
+from ninfer.model.graphs import SIZES, WIDTHS, graph_shapes
+from ninfer.server.warmup import TENANT, planned, warm_up
+from ninfer.sim.harness import Harness
+
+
+def _server(config: EngineConfig):
+    h = Harness(config)
+    h.engine.log.listeners.clear()   # the checker reads the journal afterwards instead
+    thread = EngineThread(h.engine).start()
+    return h, SimpleNamespace(thread=thread, boot=1)
+
+
+@pytest.mark.parametrize("spec", ["none", "mtp"])
+def test_the_full_warm_up_runs_each_planned_request_and_leaves_nothing(spec):
+    h, server = _server(EngineConfig(spec=spec, max_concurrency=3, prefill_chunk=32,
+                                     max_context=512))
+    report = warm_up(server, verify_tokens=4 if spec == "mtp" else 0, full=True)
+    server.thread.stop()
+    assert server.thread.error is None
+    assert report.requests == len(planned(32, 512)) == 7
+    assert report.reused == 2     # the next turn and the one-token turn restored a state
+    assert report.graphs is None  # (a model without CUDA graphs)
+    started = [e for e in h.journal.read() if e.kind == "RequestStarted"]
+    assert len(started) == 7
+    assert not [s for s in h.engine.store.endpoints.values() if s.facts.tenant == TENANT]
+    JournalChecker().feed_all(h.journal.read())
+    h.engine.check_integrity()
+    assert not h.engine.store.endpoints and h.engine.blocks.free == h.engine.blocks.num_blocks
+
+
+def test_a_small_context_leaves_out_the_turns_that_would_not_fit():
+    h, server = _server(EngineConfig(max_concurrency=2, prefill_chunk=16, max_context=48))
+    report = warm_up(server, full=True)
+    server.thread.stop()
+    assert 0 < report.requests < 7
+    assert not [s for s in h.engine.store.endpoints.values() if s.facts.tenant == TENANT]
+
+
+def test_the_short_warm_up_is_one_request():
+    h, server = _server(EngineConfig())
+    report = warm_up(server, full=False)
+    server.thread.stop()
+    assert report.requests == 1 and report.reused == 0
+
+
+def test_graph_shapes_cover_the_lanes_and_the_context():
+    shapes = graph_shapes(max_context=65_536, block_size=16, lanes=3, verify_tokens=4,
+                          mtp=True)
+    sizes = {s for s, _ in shapes["decode"]}
+    widths = {w for _, w in shapes["decode"]}
+    assert sizes == {1, 2, 4}                       # up to the size that holds 3 lanes
+    assert widths == {w for w in WIDTHS if w <= 4096}  # 4096 blocks of 16
+    assert max(widths) * 16 >= 65_536
+    assert {t for _, t, _ in shapes["verify"]} == {2, 3, 4}
+    assert len(shapes["verify"]) == 3 * 3 * len(widths)
+    assert {t for t, _ in shapes["mtp"]} >= {1, 2, 3, 4}
+    plain = graph_shapes(max_context=100, block_size=16, lanes=SIZES[-1] + 5)
+    assert plain["verify"] == plain["mtp"] == []
+    assert {s for s, _ in plain["decode"]} == set(SIZES)   # lanes past the largest: all
+    assert {w for _, w in plain["decode"]} == {WIDTHS[0]}
