@@ -89,7 +89,10 @@ def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from probs [V]."""
+    """One token from probs [V], drawn where `generator` is (a request's is on the CPU, so
+    a seed draws alike on every device; a GPU's probs go there first)."""
+    if generator is not None and probs.device != generator.device:
+        probs = probs.to(generator.device)
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 

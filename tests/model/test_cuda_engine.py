@@ -291,3 +291,21 @@ def test_a_bf16_prefill_chunk_attends_as_the_float32_path():
     ref = attn._attend(x.float(), q.float(), positions, store.to(torch.float32), 0)
     assert out.dtype == torch.bfloat16
     assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 2e-2
+
+
+@pytest.mark.parametrize("spec", ["none", "mtp"])
+def test_a_sampled_request_on_cuda_draws_and_a_seed_repeats(spec):
+    """A request's generator lives on the CPU (a seed draws alike on every device); the
+    GPU's probabilities are drawn from there: the engine once stopped on the first sampled
+    token on CUDA ("Expected a 'cuda' device type for generator")."""
+    from ninfer.engine.engine import Submit
+    from ninfer.lifecycle.request import SamplingParams
+    outputs = []
+    for _ in range(2):
+        h = Harness(EngineConfig(spec=spec, prefill_chunk=8), model_factory=_factory(True))
+        params = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, top_k=40, seed=7)
+        h.engine.submit(Submit("r", PROMPT, "s", "t", params))
+        h.run()
+        h.check()
+        outputs.append(h.engine.requests["r"].outputs)
+    assert len(outputs[0]) == 8 and outputs[0] == outputs[1]
