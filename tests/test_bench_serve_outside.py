@@ -90,6 +90,12 @@ def test_the_warm_up_figures_are_read_from_its_log_line(tmp_path):
         "warm_up_s": 15.9, "warm_up_graphs": 1234, "graph_memory_mib": 2048}
     log.write_text("warm-up: 1 requests (0 from a stored state) in 0.1 s; 0.1 s in all\n")
     assert serve_outside.warm_up_figures(log) == {"warm_up_s": 0.1}
+    log.write_text("INFO ninfer.server: warm-up: 3 kernel specialisations compiled or loaded; "
+                   "any met after ready is logged as a warning\nWARNING ninfer.kernels: kernel "
+                   "k met a new specialisation after ready (the warm-up missed this shape; this "
+                   "request waits for it): k[num_warps=4](T: i32)\n")
+    assert serve_outside.warm_up_figures(log) == {
+        "kernels_after_ready": 1, "kernels_after_ready_list": ["k[num_warps=4](T: i32)"]}
 
 
 def test_prompts_have_the_token_counts_asked():

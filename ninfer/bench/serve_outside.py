@@ -111,6 +111,8 @@ def rows(results: dict, sizes: Sizes) -> list[tuple]:
                         ("warm_up_s", "  of it, the warm-up", "s", ".2f"),
                         ("warm_up_graphs", "  CUDA graphs it captured", "graphs", ".0f"),
                         ("graph_memory_mib", "  their memory", "MiB", ",.0f"),
+                        ("kernels_after_ready", "  kernel shapes first met after ready",
+                         "kernels", ".0f"),
                         ("ready_warm_s", "again, the cache kept: start -> /health 200", "s",
                          ".2f")]
     for n in sizes.first:
@@ -136,7 +138,11 @@ def rows(results: dict, sizes: Sizes) -> list[tuple]:
             ("prefill_gap_usual_ms", "  its usual gap (median before)", "ms", ".2f"),
             ("prefill_gap_ratio", "  largest / usual", "x", ".1f")]
     if "mtp_ready_s" in results:
-        out.append(("mtp_ready_s", "--spec mtp server start -> /health 200", "s", ".2f"))
+        out += [("mtp_ready_s", "--spec mtp server start -> /health 200", "s", ".2f"),
+                ("mtp_warm_up_graphs", "  CUDA graphs its warm-up captured", "graphs", ".0f"),
+                ("mtp_graph_memory_mib", "  their memory", "MiB", ",.0f"),
+                ("mtp_kernels_after_ready", "  kernel shapes first met after ready",
+                 "kernels", ".0f")]
         for n in sizes.mtp_streams:
             out += [(f"mtp_decode_tok_s_{n}", f"decode, {n} streams, --spec mtp: total",
                      "tok/s", ",.0f"),
@@ -147,11 +153,16 @@ def rows(results: dict, sizes: Sizes) -> list[tuple]:
 
 
 def warm_up_figures(log: Path) -> dict:
-    """The warm-up's figures from a server's log line (`ninfer.server.warmup`): its
-    seconds, and the CUDA graphs it captured and their memory (absent without graphs)."""
-    line = next((x for x in log.read_text(errors="replace").splitlines()
-                 if "warm-up:" in x), "")
-    out = {}
+    """The warm-up's figures from a server's log (`ninfer.server.warmup`): its seconds,
+    the CUDA graphs it captured and their memory (absent without graphs), and the kernel
+    specialisations requests met after ready (`kernels.compiles`; absent on the CPU)."""
+    lines = log.read_text(errors="replace").splitlines()
+    line = next((x for x in lines if "warm-up:" in x and "requests" in x), "")
+    out: dict = {}
+    if any("kernel specialisations compiled or loaded" in x for x in lines):
+        late = [x.split("this request waits for it): ", 1)[-1] for x in lines
+                if "new specialisation after ready" in x]
+        out.update(kernels_after_ready=len(late), kernels_after_ready_list=late[:40])
     for key, pattern in (("warm_up_s", r"([\d.]+) s in all"),
                          ("warm_up_graphs", r"([\d,]+) CUDA graphs"),
                          ("graph_memory_mib", r"graph memory ([\d,]+) MiB")):
@@ -176,8 +187,7 @@ def measure(options: list[str], sizes: Sizes, prompts, mtp: bool = True) -> dict
     results: dict = {}
     with started(["--spec", "none", *options], folder / "none", env=env) as server:
         probes = Probes(server.url, prompts, keys)
-        results.update(port_open_s=server.port_open_s, ready_s=server.ready_s,
-                       **warm_up_figures(server.log))
+        results.update(port_open_s=server.port_open_s, ready_s=server.ready_s)
         steps = [lambda: probes.first_requests(sizes.first),   # first: nothing ran before
                  lambda: probes.cold_prefill(sizes.cold),
                  lambda: probes.next_turn(sizes.next_turn, sizes.new_turn_tokens,
@@ -188,6 +198,7 @@ def measure(options: list[str], sizes: Sizes, prompts, mtp: bool = True) -> dict
         for step in tqdm(steps, desc="bench serve (--spec none)", file=sys.stderr,
                          leave=False):
             results.update(step())
+        results.update(warm_up_figures(server.log))   # (after the probes: what they met)
     with started(["--spec", "none", *options], folder / "again", env=env) as server:
         results["ready_warm_s"] = server.ready_s
     if not mtp:
@@ -198,6 +209,7 @@ def measure(options: list[str], sizes: Sizes, prompts, mtp: bool = True) -> dict
         results.update(probes.decode(sizes.mtp_streams, sizes.decode_tokens, "mtp_"))
         drafted = metric(server.url, "ninfer_drafted_tokens_total")
         accepted = metric(server.url, "ninfer_accepted_tokens_total")
+        results.update({f"mtp_{k}": v for k, v in warm_up_figures(server.log).items()})
     for n in sizes.mtp_streams:
         results[f"mtp_over_none_{n}"] = (results[f"mtp_decode_tok_s_{n}"]
                                          / results[f"decode_tok_s_{n}"])

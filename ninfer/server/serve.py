@@ -371,11 +371,17 @@ def build(args: argparse.Namespace):
     loaded: list[Loaded] = []
 
     def start() -> None:
+        from kernels.compiles import watch
+        compiles = watch() if _on_gpu(args.device) else None
         try:
             result = load(args)
             loaded.append(result)
             server.attach(result.thread, result.tokenizer, result.template)
             warm_up(server, verify_tokens=args.draft_tokens + 1 if args.spec != "none" else 0)
+            if compiles is not None:
+                log.info("warm-up: %d kernel specialisations compiled or loaded; any met "
+                         "after ready is logged as a warning", compiles.before_ready)
+                compiles.ready()
             recalled = recall_history(server)
             if recalled:
                 log.info("recalled %d conversations from durable endpoints", recalled)

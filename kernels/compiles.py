@@ -1,0 +1,56 @@
+"""Which Triton kernel specialisations this process meets, and whether a request met one
+after the server said it was ready.
+
+Triton compiles a kernel once per specialisation: its constexpr values and, for integer
+arguments, whether the value is 1 or a multiple of 16. The first launch of each in a
+process compiles it (seconds) or loads it from the disk cache; either way the request that
+launches it waits. The warm-up (`ninfer.server.warmup`) launches the shapes it knows of
+before ready; `watch` counts them, and logs a warning, with the kernel and its
+specialisation, for each one met after `ready()`: a shape the warm-up missed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+log = logging.getLogger("ninfer.kernels")
+
+
+class CompileWatch:
+    def __init__(self) -> None:
+        self.before_ready = 0
+        self.after_ready: list[str] = []   # "kernel: specialisation" of each
+        self._ready = False
+        self._lock = threading.Lock()
+
+    def ready(self) -> None:
+        self._ready = True
+
+    def hook(self, *, repr: str = "", fn=None, **_) -> None:   # noqa: A002 (Triton's name)
+        """Triton's `jit_cache_hook`: called on a specialisation's first launch in this
+        process (None: go on and compile or load it)."""
+        name = getattr(fn, "name", "?")
+        with self._lock:
+            if not self._ready:
+                self.before_ready += 1
+                return None
+            self.after_ready.append(f"{name}: {repr}")
+        log.warning("kernel %s met a new specialisation after ready (the warm-up missed "
+                    "this shape; this request waits for it): %s", name, repr)
+        return None
+
+
+def watch() -> CompileWatch | None:
+    """Install a CompileWatch as Triton's `jit_cache_hook` (None where Triton has no such
+    hook: an older Triton)."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+    runtime = getattr(knobs, "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_cache_hook"):
+        return None
+    w = CompileWatch()
+    runtime.jit_cache_hook = w.hook
+    return w
