@@ -50,14 +50,20 @@ class Planned:
 
 def planned(chunk: int, max_context: int) -> list[Planned]:
     """The warm-up's requests for prefill chunks of `chunk` tokens, each prompt within
-    `max_context` with its output."""
+    `max_context` with its output (a later turn that would not fit is left out). Alone
+    and together: a batch of prompts prefills as one packed (varlen) call, a kernel
+    specialisation of its own."""
     first = min(chunk + UNALIGNED, max(1, max_context // 2 - 16))
+    second = min(chunk // 2, max(1, max_context // 4))
     return [Planned("chunk-and-rest", first, 8, group=0),
             Planned("next-turn", NEW_TURN, 4, after="chunk-and-rest", group=1),
             Planned("one-token-turn", 1, 2, after="next-turn", group=2),
-            Planned("aligned", 48, 6, group=3), Planned("short", 5, 6, group=3),
-            Planned("odd", 100, 6, group=3),
-            Planned("sampled", 21, 4, sampled=True, group=4)]
+            Planned("half-chunk", second, 4, group=3),
+            Planned("its-next-turn", NEW_TURN, 4, after="half-chunk", group=4),
+            Planned("one-tile", 64, 4, group=5),
+            Planned("aligned", 48, 6, group=6), Planned("short", 5, 6, group=6),
+            Planned("odd", 100, 6, group=6),
+            Planned("sampled", 21, 4, sampled=True, group=7)]
 
 
 @dataclass
