@@ -228,7 +228,8 @@ def main(device: str = "cpu", model: str | None = None, quick: bool = False,
     from .sized_prompts import PromptMaker
     benchmark_on_the_random_model()
     sizes = sizes or sizes_for(device, quick)
-    lanes = max_concurrency or (8 if device.startswith("cuda") else 4)
+    # on CUDA every stream of the widest probe decodes at once (a graph per batch size)
+    lanes = max_concurrency or (max(8, *sizes.streams) if device.startswith("cuda") else 4)
     options = server_options(device, model, sizes, lanes, extra or [])
     results = measure(options, sizes, PromptMaker.for_model(model), mtp)
     card = card_name(device)
@@ -267,7 +268,8 @@ def add_outside_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--quick", action="store_true",
                        help="fewer and shorter probes (a smoke run, not the reported figures)")
     group.add_argument("--max-concurrency", type=int, default=None,
-                       help="the server's lanes (default 8 on CUDA, 4 on the CPU)")
+                       help="the server's lanes (default on CUDA: the most streams a probe "
+                            "runs, at least 8; 4 on the CPU)")
     group.add_argument("--server-args", default="",
                        help="more `ninfer serve` options, one shell-quoted string")
     group.add_argument("--no-mtp", action="store_true",

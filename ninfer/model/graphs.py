@@ -1,8 +1,9 @@
-"""CUDA graphs of the one-token forward: a decode step of up to 8 lanes as one replay,
+"""CUDA graphs of the one-token forward: a decode step of up to 64 lanes as one replay,
 and the step after it launched ahead of the engine.
 
-A graph is captured per (batch size, block-table width) on first use: batch sizes 1, 2, 4,
-8 (a smaller batch is padded: padding lanes have slot -1, which the kernels neither read
+A graph is captured per (batch size, block-table width) at the warm-up
+(`TorchModel.capture_graphs`) or on first use: batch sizes 1, 2, 4, .., 64 (a smaller
+batch is padded: padding lanes have slot -1, which the kernels neither read
 nor write, and a block table pointing at the scratch block, where their KV lands), widths
 from 64 blocks up. Inputs reach the graph through one static int64 buffer (token, position,
 slot the GDN state is read from, slot it is written to, block table of every lane) filled
@@ -64,7 +65,7 @@ from .gdn import SlotGDNState
 from .hybrid import HybridState
 from .layers import _inv_freq
 
-SIZES = (1, 2, 4, 8)
+SIZES = (1, 2, 4, 8, 16, 32, 64)   # batch sizes (serve's MAX_LANES the largest)
 WIDTHS = (64, 256, 1024, 4096, 16384)   # block-table columns (x block_size positions)
 RING = 4   # pinned staging buffers per graph (a power of two): reused once their step completed
 

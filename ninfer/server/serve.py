@@ -22,10 +22,13 @@ def default_journal() -> Path:
     return Path(state) / "ninfer" / "journal.db"
 
 
+MAX_LANES = 64   # the largest batch a decode graph is captured for (ninfer.model.graphs)
+
+
 def _concurrency(value: str) -> int:
     n = int(value)
-    if not 1 <= n <= 8:
-        raise argparse.ArgumentTypeError("must be between 1 and 8")
+    if not 1 <= n <= MAX_LANES:
+        raise argparse.ArgumentTypeError(f"must be between 1 and {MAX_LANES}")
     return n
 
 
@@ -107,7 +110,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kv-capacity", type=_positive, default=131_072,
                    help="KV positions the block pool holds, shared by lanes and endpoints")
     p.add_argument("--max-concurrency", type=_concurrency, default=2,
-                   help="requests prefilling or decoding at once (1-8)")
+                   help=f"requests prefilling or decoding at once (1-{MAX_LANES}); on CUDA a "
+                        "decode graph is captured for each batch size up to it")
     p.add_argument("--prefill-chunk", type=_positive, default=None,
                    help="prompt tokens per prefill step (a cancel lands between chunks, a "
                         "cut prefill resumes from the last one); default 512 on the CPU, "
@@ -128,8 +132,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="most tokens drafted per speculative round")
     p.add_argument("--max-endpoints", type=_positive, default=64,
                    help="endpoints (continuation checkpoints) the store keeps")
-    p.add_argument("--state-slots", type=_positive, default=96,
-                   help="recurrent-state snapshot slots (lanes, captures and endpoints)")
+    p.add_argument("--state-slots", type=_positive, default=None,
+                   help="recurrent-state snapshot slots (lanes, captures and endpoints); "
+                        "default 96, or twice --max-concurrency where that is more")
     p.add_argument("--derive-session-keys", action=argparse.BooleanOptionalAction,
                    default=True,
                    help="derive a session key from the instructions and the first user "
@@ -276,7 +281,7 @@ def load(args: argparse.Namespace) -> Loaded:
         ranks = launch_ranks(args.tensor_parallel, timeout=args.tp_timeout,
                              threads=args.torch_threads, device=args.device)
     om = open_model(args.model, dtype=dtype, device=args.device,
-                    kv_capacity=args.kv_capacity, num_slots=args.state_slots,
+                    kv_capacity=args.kv_capacity, num_slots=state_slots(args),
                     mtp=args.spec == "mtp", ranks=ranks)
     if args.spec != "none" and om.model.graphs is not None:
         log.warning("--spec %s on %s: verifies and drafts replay CUDA graphs, but a verify "
@@ -453,11 +458,27 @@ def watch_for_lost_model(model_lost, uvicorn_server, exit_code: list[int],
         time.sleep(0.1)
 
 
+def state_slots(args: argparse.Namespace) -> int:
+    """--state-slots, else room for every lane's state and as many captures and endpoints."""
+    return args.state_slots or max(96, 2 * args.max_concurrency)
+
+
+def check_slots(args: argparse.Namespace) -> str | None:
+    """Why the state slots cannot serve --max-concurrency lanes (None: they can): each lane
+    holds one while it runs, and its captures and the endpoints hold others."""
+    slots = state_slots(args)
+    if args.max_concurrency >= slots:
+        return (f"--max-concurrency {args.max_concurrency} needs more than --state-slots "
+                f"{slots} (a slot per lane, and others for its checkpoints and the "
+                f"endpoints): give --state-slots {2 * args.max_concurrency} or more")
+    return None
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
     logging.getLogger("ninfer").setLevel(args.log_level.upper())
     logging.getLogger("transitions").setLevel(logging.WARNING)  # one line per trigger is noise
-    refused = check_tensor_parallel(args)
+    refused = check_tensor_parallel(args) or check_slots(args)
     if refused:
         print(f"ninfer serve: error: {refused}", file=sys.stderr)
         return 2

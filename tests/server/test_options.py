@@ -2,6 +2,7 @@
 
 import argparse
 
+import pytest
 import torch
 
 from ninfer.server.serve import add_serve_parser, default_dtype, default_prefill_chunk, load
@@ -62,3 +63,17 @@ def test_decode_gap_defaults_to_the_device_and_refuses_a_gap_that_paces_nothing(
         with pytest.raises(SystemExit):
             _args("--decode-gap", bad)
         assert "more than 1 step" in capsys.readouterr().err
+
+
+def test_lanes_reach_the_largest_graph_batch_and_slots_follow_them(capsys):
+    from ninfer.model.graphs import SIZES
+    from ninfer.server.serve import MAX_LANES, check_slots, state_slots
+    assert MAX_LANES == SIZES[-1] == 64   # a decode graph for every batch a server runs
+    args = _args("--max-concurrency", "64")
+    assert args.max_concurrency == 64 and state_slots(args) == 128 and check_slots(args) is None
+    assert state_slots(_args("--max-concurrency", "8")) == 96
+    with pytest.raises(SystemExit):
+        _args("--max-concurrency", "65")
+    assert "between 1 and 64" in capsys.readouterr().err
+    short = _args("--max-concurrency", "32", "--state-slots", "32")
+    assert "--state-slots 64" in check_slots(short)
