@@ -75,13 +75,16 @@ def server_options(device: str, model: str | None, sizes: Sizes, max_concurrency
                    extra: list[str]) -> list[str]:
     """`ninfer serve`'s options, every one that matters to a figure given explicitly: a
     context that holds the longest prompt and a stream beside it, a KV pool of four such
-    contexts (the conversations' endpoints stay while the probes go on), the device's
-    dtype and prefill chunk (the server's defaults for it, written out)."""
+    contexts (the conversations' endpoints stay while the probes go on; on CUDA the
+    server's own, from the free memory), the device's dtype and prefill chunk (the server's
+    defaults for it, written out)."""
     from ..server.serve import default_dtype, default_prefill_chunk
     context = 1 << (sizes.longest + 2 * sizes.decode_tokens + 1024).bit_length()
+    # (on CUDA the KV pool is the server's default, sized from the GPU's free memory)
+    pool = [] if device.startswith("cuda") else ["--kv-capacity", str(4 * context)]
     return [*([model] if model else []), "--device", device, "--dtype", default_dtype(device),
             "--prefill-chunk", str(default_prefill_chunk(device)), "--max-context",
-            str(context), "--kv-capacity", str(4 * context), "--max-concurrency",
+            str(context), *pool, "--max-concurrency",
             str(max_concurrency), "--max-pending", "256", "--log-level", "INFO", *extra]
 
 

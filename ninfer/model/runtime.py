@@ -11,6 +11,7 @@ benchmarks use (deterministic and fast), generated on first use into the cache d
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import tempfile
@@ -30,6 +31,8 @@ from .template import ChatTemplate
 from .tensor_parallel import ShardedModel
 from .tokenizer import Tokenizer
 from .torch_model import TorchModel
+
+log = logging.getLogger("ninfer.model")
 
 if TYPE_CHECKING:
     from .ranks import Ranks
@@ -141,14 +144,19 @@ def tp_identity(base: str, world: int) -> str:
 
 
 def open_model(path: str | Path | None = None, *, dtype: str = "float32", device: str = "cpu",
-               kv_capacity: int = 65_536, block_size: int = 16, num_slots: int = 64,
+               kv_capacity: int | None = 65_536, block_size: int = 16, num_slots: int = 64,
                mtp: bool = True, ranks: Ranks | None = None) -> OpenModel:
     """Load, check and build. `kv_capacity` is the number of KV positions the block pool
-    holds (attention and MTP KV draw from it); `num_slots` the recurrent-state snapshots.
+    holds (attention and MTP KV draw from it; None: sized from the GPU's free memory once
+    the weights are on it, `ninfer.model.memory`, or DEFAULT_KV_CAPACITY off a single
+    GPU); `num_slots` the recurrent-state snapshots.
     `ranks` (rank 0 of `ranks.launch`): the model sharded over its ranks, every follower
     opening its shard alike (`shard_model`); the model is then a `ShardedModel`."""
     source, default_name = (Path(path), None) if path is not None else default_model()
     files = load_files(source)
+    if kv_capacity is None and (ranks is not None and ranks.world > 1
+                                or torch.device(device).type != "cuda"):
+        kv_capacity = DEFAULT_KV_CAPACITY   # (every rank must hold the same pool)
     options = dict(path=str(source), dtype=dtype, device=device,
                    kv_capacity=kv_capacity, block_size=block_size, num_slots=num_slots,
                    mtp=mtp)
@@ -158,17 +166,19 @@ def open_model(path: str | Path | None = None, *, dtype: str = "float32", device
     else:
         model = ranks.open(SHARD_FACTORY, options,
                            local=lambda: shard_model(ranks, files=files, **options))
-    num_blocks = -(-kv_capacity // block_size)
+    # the pool's blocks (the scratch block past them), as sized where the model was built
+    num_blocks = (model.local if isinstance(model, ShardedModel) else model).scratch_block
     name = default_name or source.name.removesuffix(".ninfer")
     return OpenModel(model, BlockPool(num_blocks, block_size), SlotPool(num_slots),
                      files.tokenizer, files.template, files, name)
 
 
 SHARD_FACTORY = "ninfer.model.runtime:shard_model"
+DEFAULT_KV_CAPACITY = 131_072   # KV positions where the pool is not sized from a GPU
 
 
 def shard_model(ranks: Ranks | None, *, path: str | None, dtype: str, device: str,
-                kv_capacity: int, block_size: int, num_slots: int, mtp: bool,
+                kv_capacity: int | None, block_size: int, num_slots: int, mtp: bool,
                 files: LoadedFiles | None = None) -> TorchModel:
     """This rank's TorchModel: the whole model without `ranks` (or with one rank), else
     its shard (every rank of a run calls this alike)."""
@@ -182,6 +192,14 @@ def shard_model(ranks: Ranks | None, *, path: str | None, dtype: str, device: st
     net = HybridModel(files.config, mtp=mtp)
     load_weights(net, files.tensors)
     net = net.to(device=device, dtype=DTYPES[dtype])
+    if kv_capacity is None:  # one GPU: from its memory free now, the weights on it
+        from .memory import kv_capacity_for
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        kv_capacity = kv_capacity_for(free, files.config, mtp=net.has_mtp,
+                                      dtype_bytes=DTYPES[dtype].itemsize,
+                                      num_slots=num_slots, block_size=block_size)
+        log.info("KV pool: %s positions (%.1f GiB free on %s with the weights loaded)",
+                 f"{kv_capacity:,}", free / 2**30, device)
     num_blocks = -(-kv_capacity // block_size)
     ident = tp_identity(identity(files), world)
     if ranks is None or world == 1:

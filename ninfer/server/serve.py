@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -107,8 +108,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     # about 20K), so the defaults fit one and its conversation
     p.add_argument("--max-context", type=_positive, default=65_536,
                    help="most tokens per request, prompt and output together")
-    p.add_argument("--kv-capacity", type=_positive, default=131_072,
-                   help="KV positions the block pool holds, shared by lanes and endpoints")
+    p.add_argument("--kv-capacity", type=_positive, default=None,
+                   help="KV positions the block pool holds, shared by lanes and endpoints "
+                        "(default: on one GPU, sized from its memory free once the weights "
+                        "are on it, logged at start; elsewhere 131,072)")
     p.add_argument("--max-concurrency", type=_concurrency, default=2,
                    help=f"requests prefilling or decoding at once (1-{MAX_LANES}); on CUDA a "
                         "decode graph is captured for each batch size up to it")
@@ -294,7 +297,8 @@ def load(args: argparse.Namespace) -> Loaded:
                           spec=args.spec, draft_tokens=args.draft_tokens,
                           max_endpoints=args.max_endpoints,
                           endpoints_per_session=args.endpoints_per_session,
-                          max_context=min(args.max_context, args.kv_capacity),
+                          max_context=min(args.max_context,
+                                          om.blocks.num_blocks * om.blocks.block_size),
                           auto_anchors=max(args.auto_long_anchors, 0), keep_finished=False,
                           journal_tokens=args.journal_content == "tokens",
                           detach_prefills=args.detach_prefills,
@@ -341,7 +345,7 @@ def settings_from(args: argparse.Namespace, model_name: str | None = None):
     from .generation import Settings
     from .sessions import load_keys
     return Settings(model_id=args.model_id or model_name or "ninfer",
-                    max_context=min(args.max_context, args.kv_capacity),
+                    max_context=min(args.max_context, args.kv_capacity or args.max_context),
                     default_max_tokens=args.default_max_tokens,
                     derive_session_keys=args.derive_session_keys,
                     api_keys=load_keys(args.api_key), max_pending=args.max_pending,
@@ -381,6 +385,11 @@ def build(args: argparse.Namespace):
         try:
             result = load(args)
             loaded.append(result)
+            held = result.thread.engine.config.max_context   # (a KV pool sized at load)
+            if held < server.settings.max_context:
+                log.warning("--max-context %d is more than the KV pool holds: %d",
+                            server.settings.max_context, held)
+                server.settings = dataclasses.replace(server.settings, max_context=held)
             server.attach(result.thread, result.tokenizer, result.template)
             warm_up(server, verify_tokens=args.draft_tokens + 1 if args.spec != "none" else 0)
             if compiles is not None:

@@ -40,7 +40,10 @@ def test_model_aliases_reasoning_budget_and_claude_names_reach_the_settings():
     from ninfer.server.serve import settings_from
     plain = settings_from(_args(), "tiny")
     assert (plain.model_aliases, plain.reasoning_budget, plain.claude_names) == ((), None, True)
-    assert (plain.max_context, _args().kv_capacity) == (65_536, 131_072)  # an agent's prompt
+    from ninfer.model.runtime import DEFAULT_KV_CAPACITY
+    # an agent's prompt; the pool is sized at load (a GPU's free memory, else the default)
+    assert (plain.max_context, _args().kv_capacity, DEFAULT_KV_CAPACITY) == (
+        65_536, None, 131_072)
     set_ = settings_from(_args("--model-alias", "a=tiny", "--model-alias", "b=tiny",
                                "--reasoning-budget", "0", "--no-claude-names"), "tiny")
     assert (set_.model_aliases, set_.reasoning_budget, set_.claude_names) == (
