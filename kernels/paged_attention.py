@@ -50,9 +50,10 @@ def kv_tile(k_ptr, v_ptr, bt_row, offs_n, m_n, offs_d, m_d, kvh, s_kn, s_kp, s_k
 
 
 @triton.jit
-def split_range(seq_len, i_s, BN: tl.constexpr, SPLITS: tl.constexpr):
+def split_range(seq_len, i_s, BN: tl.constexpr, SPLITS):
     """The tiles [lo, hi) of BN positions that split i_s of a lane of seq_len attends: the
-    lane's tiles cut into SPLITS equal runs (the last ones may be empty)."""
+    lane's tiles cut into SPLITS equal runs (the last ones may be empty). SPLITS: a
+    constexpr (a graph's kernel) or a runtime value (`paged_attention_decode`'s)."""
     n_tiles = tl.cdiv(seq_len, BN)
     per_split = tl.cdiv(n_tiles, SPLITS)
     lo = i_s * per_split
@@ -60,7 +61,7 @@ def split_range(seq_len, i_s, BN: tl.constexpr, SPLITS: tl.constexpr):
 
 
 @triton.jit
-def worked_splits(seq_len, BN: tl.constexpr, SPLITS: tl.constexpr):
+def worked_splits(seq_len, BN: tl.constexpr, SPLITS):
     """How many of the SPLITS splits of a lane of seq_len have a tile (`split_range`):
     the first ones, all the others empty."""
     n_tiles = tl.cdiv(seq_len, BN)
@@ -90,14 +91,18 @@ def online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, F32_DOT: tl.c
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
-@triton.jit
+# `splits` is a runtime value, never specialised: it follows the lane's table capacity and
+# the programs (`_default_splits`), so as a constexpr every context length of a short
+# prefill (a next turn's few tokens: 17 splits at 1K of context, 33 at 4K) compiled a
+# kernel of its own on its first request
+@triton.jit(do_not_specialize=["splits"])
 def _paged_attn_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, out_ptr, po_ptr, pl_ptr,
     T, qk_scale,
     s_qb, s_qt, s_qh, s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, s_bt,
     s_ob, s_ot, s_oh, s_pb, s_pt, s_ph, s_ps, s_lb, s_lt, s_lh,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-    BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, splits, SPLIT: tl.constexpr,
     CAUSAL: tl.constexpr, F32_DOT: tl.constexpr, SKIP: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.launch_dependents(PDL)
@@ -105,12 +110,12 @@ def _paged_attn_split_kernel(
     i_bh, i_m, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, kvh = i_bh // HKV, i_bh % HKV
     seq_len = tl.load(len_ptr + b).to(tl.int32)
-    lo, hi = split_range(seq_len, i_s, BN, SPLITS)
-    if (lo < hi) | (SPLITS == 1) | (not SKIP):  # (an empty split writes nothing)
+    lo, hi = split_range(seq_len, i_s, BN, splits)
+    if (lo < hi) | (not SPLIT) | (not SKIP):  # (an empty split writes nothing)
         _attend_split(q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, po_ptr, pl_ptr, T, qk_scale,
                       s_qb, s_qt, s_qh, s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, s_bt,
                       s_ob, s_ot, s_oh, s_pb, s_pt, s_ph, s_ps, s_lb, s_lt, s_lh,
-                      b, kvh, i_m, i_s, seq_len, lo, hi, G, D, BD, BLOCK, BM, BN, SPLITS,
+                      b, kvh, i_m, i_s, seq_len, lo, hi, G, D, BD, BLOCK, BM, BN, SPLIT,
                       CAUSAL, F32_DOT)
 
 
@@ -120,7 +125,7 @@ def _attend_split(q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, po_ptr, pl_ptr, T, qk_sc
                   s_ob, s_ot, s_oh, s_pb, s_pt, s_ph, s_ps, s_lb, s_lt, s_lh,
                   b, kvh, i_m, i_s, seq_len, lo, hi, G: tl.constexpr, D: tl.constexpr,
                   BD: tl.constexpr, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  SPLITS: tl.constexpr, CAUSAL: tl.constexpr, F32_DOT: tl.constexpr):
+                  SPLIT: tl.constexpr, CAUSAL: tl.constexpr, F32_DOT: tl.constexpr):
     # query rows: row r is position t = r // G of query head kvh * G + r % G
     rows = i_m * BM + tl.arange(0, BM)
     t_of = rows // G
@@ -151,7 +156,7 @@ def _attend_split(q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, po_ptr, pl_ptr, T, qk_sc
     seen = l_i > 0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]  # a row that saw nothing gives zeros
     m_out = m_row[:, None] & m_d[None, :]
-    if SPLITS == 1:
+    if not SPLIT:
         tl.store(out_ptr + b * s_ob + t_of[:, None] * s_ot + head[:, None] * s_oh
                  + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=m_out)
     else:
@@ -161,11 +166,11 @@ def _attend_split(q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, po_ptr, pl_ptr, T, qk_sc
         tl.store(pl_ptr + b * s_lb + t_of * s_lt + head * s_lh + i_s, lse, mask=m_row)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _paged_attn_merge_kernel(
     out_ptr, po_ptr, pl_ptr, len_ptr, T, s_len, len_add,
     s_ob, s_ot, s_oh, s_pb, s_pt, s_ph, s_ps, s_lb, s_lt, s_lh,
-    D: tl.constexpr, BDM: tl.constexpr, SPLITS: tl.constexpr, BS: tl.constexpr,
+    D: tl.constexpr, BDM: tl.constexpr, splits, BS: tl.constexpr,
     BN: tl.constexpr, SKIP: tl.constexpr, EARLY_LEN: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.launch_dependents(PDL)
@@ -173,14 +178,14 @@ def _paged_attn_merge_kernel(
     b, t = i_bt // T, i_bt % T
     offs_s = tl.arange(0, BS)
     offs_d = i_d * BDM + tl.arange(0, BDM)
-    m_s, m_d = offs_s < SPLITS, offs_d < D
+    m_s, m_d = offs_s < splits, offs_d < D
     if EARLY_LEN:  # the host's input (a decode step's positions): before the wait
         seq_len = tl.load(len_ptr + b * s_len).to(tl.int32) + len_add
     pdl.wait(PDL)
     if SKIP:  # only the splits that worked wrote their parts
         if not EARLY_LEN:
             seq_len = tl.load(len_ptr + b * s_len).to(tl.int32) + len_add
-        m_s = m_s & (offs_s < worked_splits(seq_len, BN, SPLITS))
+        m_s = m_s & (offs_s < worked_splits(seq_len, BN, splits))
     lse = tl.load(pl_ptr + b * s_lb + t * s_lt + h * s_lh + offs_s, mask=m_s,
                   other=float("-inf"))  # lse: [BS], log2 units
     top = tl.max(lse, axis=0)
@@ -194,11 +199,14 @@ def _paged_attn_merge_kernel(
              mask=m_d)
 
 
+MAX_SPLITS = 128
+
+
 def _default_splits(programs: int, capacity: int, bn: int) -> int:
     # enough programs for ~2 per SM of an H200 (132 SMs), as many as one tile each: at
     # batch 1 and 1K positions the decode graph's replay takes 595 us, against 609 us with
     # at least two tiles a split and 985 us unsplit
-    return max(1, min(triton.cdiv(264, programs), triton.cdiv(capacity, bn), 128))
+    return max(1, min(triton.cdiv(264, programs), triton.cdiv(capacity, bn), MAX_SPLITS))
 
 
 def paged_attention_decode(
@@ -259,31 +267,35 @@ def paged_attention_decode(
         T, scale * LOG2E,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         *out.stride()[:3], *p_strides, *l_strides,
-        HKV=Hkv, G=G, D=D, BD=BD, BLOCK=block_size, BM=BM, BN=BN, SPLITS=splits,
+        HKV=Hkv, G=G, D=D, BD=BD, BLOCK=block_size, BM=BM, BN=BN, splits=splits,
+        SPLIT=splits > 1,
         CAUSAL=causal_tail, F32_DOT=f32 or _interpreting(), SKIP=FLAGS.skip_empty_splits,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch(q),
     )
     if splits > 1:
-        merge_splits(out, part_o, part_l, p_strides, l_strides, splits, BN, seq_lens)
+        merge_splits(out, part_o, part_l, p_strides, l_strides, splits, BN, seq_lens,
+                     bs=max(MAX_SPLITS, triton.next_power_of_2(splits)))  # one kernel
     return out
 
 
 def merge_splits(out: Tensor, part_o: Tensor, part_l: Tensor, p_strides, l_strides,
                  splits: int, BN: int, lengths: Tensor, add: int = 0,
-                 early: bool = False) -> None:
+                 early: bool = False, bs: int | None = None) -> None:
     """out [B, T, Hq, D] from the splits' parts: part_o [B, T, Hq, splits, D] (each split's
     output, normalised by its own sum) and part_l [B, T, Hq, splits] (their log-sum-exp in
     log2 units), weighted by exp2(lse - max); p_strides / l_strides: their first 4 / 3.
     Lane b's seq_len is lengths[b] (+ add; a 1-D view of any stride): only its first
     `worked_splits` of tiles of BN wrote parts. `early`: the lengths were written before
-    this forward's chain began (the host's positions), so they are read before the wait."""
+    this forward's chain began (the host's positions), so they are read before the wait.
+    `bs` (a power of two, at least `splits`): the splits one program reads, default the
+    fewest that hold them (a constexpr: each value its own kernel)."""
     B, T, Hq, D = out.shape
-    BS = triton.next_power_of_2(splits)
+    BS = bs or triton.next_power_of_2(splits)
     BDM = max(16, min(triton.next_power_of_2(D), 8192 // BS))  # [BS, BDM] fp32: <= 64 regs
     _paged_attn_merge_kernel[(B * T, Hq, triton.cdiv(D, BDM))](
         out, part_o, part_l, lengths, T, lengths.stride(0), add,
         *out.stride()[:3], *p_strides, *l_strides,
-        D=D, BDM=BDM, SPLITS=splits, BS=BS, BN=BN, SKIP=FLAGS.skip_empty_splits,
+        D=D, BDM=BDM, splits=splits, BS=BS, BN=BN, SKIP=FLAGS.skip_empty_splits,
         EARLY_LEN=early,
         num_warps=4, **pdl.launch(out),
     )

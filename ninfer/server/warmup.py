@@ -60,10 +60,14 @@ def planned(chunk: int, max_context: int) -> list[Planned]:
             Planned("one-token-turn", 1, 2, after="next-turn", group=2),
             Planned("half-chunk", second, 4, group=3),
             Planned("its-next-turn", NEW_TURN, 4, after="half-chunk", group=4),
-            Planned("one-tile", 64, 4, group=5),
-            Planned("aligned", 48, 6, group=6), Planned("short", 5, 6, group=6),
-            Planned("odd", 100, 6, group=6),
-            Planned("sampled", 21, 4, sampled=True, group=7)]
+            # a few new tokens, each in a tile size class of its own (the conv's power of
+            # two up to 64; the attention's row block of 16 below 5)
+            *(Planned(f"turn-of-{n}", n, 2, after=after, group=5 + i) for i, (n, after) in
+              enumerate(((2, "its-next-turn"), (3, "turn-of-2"), (12, "turn-of-3")))),
+            Planned("one-tile", 64, 4, group=8),
+            Planned("aligned", 48, 6, group=9), Planned("short", 5, 6, group=9),
+            Planned("odd", 100, 6, group=9),
+            Planned("sampled", 21, 4, sampled=True, group=10)]
 
 
 @dataclass

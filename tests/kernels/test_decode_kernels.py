@@ -6,6 +6,8 @@ with a check that the data tells a plausible mistake apart (a wrong head mapping
 ignored tail, a block table read in order), so a passing comparison means something.
 """
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -428,6 +430,27 @@ def test_the_merge_reads_only_the_splits_that_worked():
     merge_splits(out, part_o, part_l, part_o.stride()[:4], part_l.stride()[:3], splits, BN,
                  (lens - 1).to(DEV), add=1, early=True)
     torch.testing.assert_close(out.cpu(), want, **OUT_TOL[torch.float32])
+    # one program reading up to 128 splits (the short prefill's merge: one kernel whatever
+    # its splits), the ones past `splits` masked
+    out.zero_()
+    merge_splits(out, part_o, part_l, part_o.stride()[:4], part_l.stride()[:3], splits, BN,
+                 lens.to(DEV), bs=128)
+    torch.testing.assert_close(out.cpu(), want, **OUT_TOL[torch.float32])
+
+
+def test_a_short_prefill_takes_one_attention_kernel_whatever_its_splits():
+    """The splits follow the lane's capacity, so they are a runtime value of the split and
+    merge kernels, never a specialisation: as a constexpr each context length of a next
+    turn's few tokens compiled kernels of its own on its first request (seconds)."""
+    from kernels.paged_attention import (MAX_SPLITS, _paged_attn_merge_kernel,
+                                         _paged_attn_split_kernel)
+    for kernel in (_paged_attn_split_kernel, _paged_attn_merge_kernel):
+        fn = getattr(kernel, "fn", kernel)   # (the interpreter wraps the JIT function)
+        params = list(inspect.signature(fn).parameters)
+        assert "splits" in params and "SPLITS" not in params
+        nospec = getattr(kernel, "do_not_specialize", None)  # (None: the interpreter's)
+        assert nospec is None or list(nospec) == ["splits"]   # not even its 1 / 16 classes
+    assert MAX_SPLITS == 128
 
 
 # --- real shapes, on the GPU --------------------------------------------------------------
