@@ -442,8 +442,11 @@ def test_a_short_prefill_takes_one_attention_kernel_whatever_its_splits():
     """The splits follow the lane's capacity, so they are a runtime value of the split and
     merge kernels, never a specialisation: as a constexpr each context length of a next
     turn's few tokens compiled kernels of its own on its first request (seconds)."""
-    from kernels.paged_attention import (MAX_SPLITS, _paged_attn_merge_kernel,
-                                         _paged_attn_split_kernel)
+    from kernels.paged_attention import (
+        MAX_SPLITS,
+        _paged_attn_merge_kernel,
+        _paged_attn_split_kernel,
+    )
     for kernel in (_paged_attn_split_kernel, _paged_attn_merge_kernel):
         fn = getattr(kernel, "fn", kernel)   # (the interpreter wraps the JIT function)
         params = list(inspect.signature(fn).parameters)
