@@ -3,12 +3,15 @@
 
 Two parts, both on the engine thread, timed and logged:
 
-- requests (`REQUESTS`), each through the whole engine: a prompt of one whole prefill chunk
-  and an unaligned rest, its next turn (a restore, then a delta prefill at an unaligned
-  position), a one-token next turn, short prompts prefilled and decoded together, a
-  sampled request. Triton specialises a kernel on its integer arguments (one, a multiple
-  of 16, anything else): these lengths and offsets compile every variant a prompt can
-  need, and the cuBLAS and attention paths of a prefill, a restore and a decode run once;
+- requests (`planned`), each through the whole engine: a prompt of one whole prefill
+  chunk and an unaligned rest, its next turn (a restore, then a delta prefill at an
+  unaligned position), a one-token next turn, a half chunk and next turns of a few tokens,
+  short prompts alone and prefilled together, a sampled request. Triton specialises a
+  kernel on its constexprs (tile sizes that follow a length's power of two) and its integer
+  arguments (one, a multiple of 16, anything else): these lengths and offsets compile the
+  variants a prompt meets, and the cuBLAS and attention paths of a prefill, a restore and
+  a decode run once. Whatever a request still meets for the first time after ready is
+  logged (`kernels.compiles`);
 - CUDA graphs (`TorchModel.capture_graphs`): every decode graph (batch sizes up to
   --max-concurrency, block-table widths up to --max-context's), and with `--spec mtp` every
   verify and MTP graph, captured now instead of on a request's first step of that shape.
