@@ -173,6 +173,16 @@ def open_model(path: str | Path | None = None, *, dtype: str = "float32", device
                      files.tokenizer, files.template, files, name)
 
 
+def watch_compiles(device: str):
+    """On a GPU, a `kernels.compiles.CompileWatch` installed as Triton's cache hook: the
+    kernel specialisations met before its `ready()` are counted, each one after it logged
+    (None off a GPU, or with a Triton that has no such hook)."""
+    if torch.device(device).type != "cuda":
+        return None
+    from kernels.compiles import watch
+    return watch()
+
+
 SHARD_FACTORY = "ninfer.model.runtime:shard_model"
 DEFAULT_KV_CAPACITY = 131_072   # KV positions where the pool is not sized from a GPU
 

@@ -380,8 +380,8 @@ def build(args: argparse.Namespace):
     loaded: list[Loaded] = []
 
     def start() -> None:
-        from kernels.compiles import watch
-        compiles = watch() if _on_gpu(args.device) else None
+        from ..model.runtime import watch_compiles
+        compiles = watch_compiles(args.device)
         try:
             result = load(args)
             loaded.append(result)
