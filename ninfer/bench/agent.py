@@ -133,7 +133,7 @@ def server_options(scenario: str, options: Options) -> list[str]:
     extra = []
     if needed > defaults.max_context:
         extra += ["--max-context", str(needed)]
-    from ..model.runtime import DEFAULT_KV_CAPACITY   # (the CPU server's pool)
+    from ..model.runtime import DEFAULT_KV_CAPACITY  # (the CPU server's pool)
     if 4 * needed > (defaults.kv_capacity or DEFAULT_KV_CAPACITY):
         extra += ["--kv-capacity", str(4 * needed)]
     if scenario in ("interleaved", "same-key"):
