@@ -66,6 +66,9 @@ class TextEvents:
     three pydantic models built, dumped and encoded (about a tenth of the time)."""
 
     MARK = "\x00"   # a template's text, which JSON writes as the escape "\u0000"
+    # json.dumps(text, ensure_ascii=False), without the encoder dumps makes on each call
+    # for an option off its default
+    _string = json.JSONEncoder(ensure_ascii=False).encode
 
     def __init__(self, template: Body) -> None:
         """`template`: the body with MARK for the string, its last string (what comes
@@ -76,7 +79,7 @@ class TextEvents:
         self.head, self.tail = head, tail
 
     def event(self, text: str) -> bytes:
-        return (self.head + json.dumps(text, ensure_ascii=False) + self.tail).encode()
+        return (self.head + self._string(text) + self.tail).encode()
 
 
 class StreamShape(ABC):
