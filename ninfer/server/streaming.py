@@ -61,19 +61,20 @@ def sse(data: Body | dict | str) -> bytes:
 
 class TextEvents:
     """The SSE events of one body that differ only in one string (a stream's text deltas),
-    byte for byte what `sse(body)` writes: the template's JSON, split once around the
-    string, with each text spliced in. A token's event then costs one string's JSON, not
-    three pydantic models built, dumped and encoded (about a tenth of the time)."""
+    byte for byte what the API's writer makes of the body: the template event, split once
+    around the string, with each text's JSON spliced in. A token's event then costs one
+    string's JSON, not pydantic models built, dumped and encoded (about a tenth of the
+    time)."""
 
     MARK = "\x00"   # a template's text, which JSON writes as the escape "\u0000"
     # json.dumps(text, ensure_ascii=False), without the encoder dumps makes on each call
     # for an option off its default
     _string = json.JSONEncoder(ensure_ascii=False).encode
 
-    def __init__(self, template: Body) -> None:
-        """`template`: the body with MARK for the string, its last string (what comes
-        before it, an id or a model's name, may hold anything)."""
-        head, found, tail = sse(template).decode().rpartition(json.dumps(self.MARK))
+    def __init__(self, template: bytes) -> None:
+        """`template`: the event of the body with MARK for the string, its last string
+        (what comes before it, an id or a model's name, may hold anything)."""
+        head, found, tail = template.decode().rpartition(json.dumps(self.MARK))
         if not found:
             raise ValueError("the template holds no mark")
         self.head, self.tail = head, tail
@@ -227,7 +228,7 @@ class Shape(StreamShape):
             return [sse(self.delta_chunk(d))]
         events = self._text_events.get(d.kind)
         if events is None:  # delta_chunk's chunk of this kind, made once around the mark
-            events = TextEvents(self.delta_chunk(Delta(d.kind, TextEvents.MARK)))
+            events = TextEvents(sse(self.delta_chunk(Delta(d.kind, TextEvents.MARK))))
             self._text_events[d.kind] = events
         self._unsent()  # as delta_chunk does: without log-probabilities, nothing to send
         return [events.event(d.text)]

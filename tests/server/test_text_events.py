@@ -1,7 +1,7 @@
-"""A stream's text deltas are spliced into a template made once per stream (TextEvents):
-the bytes are those of the chunk built and dumped through its pydantic body, whatever the
-text (quotes, escapes, control characters, the mark itself, non-ASCII) and whatever the
-model's name holds."""
+"""A stream's text deltas are spliced into a template made once per stream (TextEvents), in
+chat and text completions and in Anthropic's Messages API: the bytes are those of the event
+built and dumped through its pydantic body, whatever the text (quotes, escapes, control
+characters, the mark itself, non-ASCII) and whatever the model's name holds."""
 
 from __future__ import annotations
 
@@ -33,4 +33,18 @@ def test_a_text_delta_is_the_chunk_its_body_writes(chat, kind, model):
 
 def test_a_template_whose_last_string_is_not_the_mark_is_refused():
     with pytest.raises(ValueError):
-        TextEvents(shape(True).delta_chunk(Delta("content", "no mark")))
+        TextEvents(sse(shape(True).delta_chunk(Delta("content", "no mark"))))
+
+
+def test_a_messages_delta_is_the_event_its_body_writes():
+    """Anthropic's text and thinking deltas, across blocks (the index is in the template)."""
+    from ninfer.server.messages_bodies import BlockDelta, TextDelta, ThinkingDelta
+    from ninfer.server.messages_stream import MessagesShape, event
+    gen = SimpleNamespace(id="req-1")
+    stream = MessagesShape(gen, "claude-x", clamped=False)
+    for kind in ("reasoning", "content", "reasoning"):
+        for text in TEXTS:
+            *_, got = stream.on_delta(Delta(kind, text))
+            body = ThinkingDelta(thinking=text) if kind == "reasoning" else TextDelta(text=text)
+            assert got == event(BlockDelta(index=stream.index, delta=body))
+    assert stream.index == 2
