@@ -68,14 +68,15 @@ def sse_chunks(lines):
             yield json.loads(line[6:])
 
 
-def _stream(url: str, body: dict, headers: dict | None = None) -> dict:
-    """One streaming request: time to first content chunk, total time, tokens."""
+def _stream(url: str, body: dict, headers: dict | None = None, client=None) -> dict:
+    """One streaming request: time to first content chunk, total time, tokens. `client`: an
+    `httpx.Client` to send it with (None: httpx's own, made for this request)."""
     import httpx
     start = time.perf_counter()
     first = None
     usage = None
     deltas = 0
-    with httpx.stream("POST", url + "/v1/chat/completions", json={
+    with (client or httpx).stream("POST", url + "/v1/chat/completions", json={
             **body, "stream": True, "stream_options": {"include_usage": True}},
             headers=headers or {}, timeout=600) as r:
         for chunk in sse_chunks(r.iter_lines()):

@@ -30,6 +30,9 @@ class Handle:
     done: threading.Event = field(default_factory=threading.Event)
     outcome: ev.Event | None = None   # the terminal event
     on_event: Callable[[ev.Event], None] | None = None  # called on the engine thread
+    # called on the engine thread once every event of a batch (a step's, across all handles)
+    # reached its handle: a consumer can wake its reader once per batch, not per event
+    on_released: Callable[[], None] | None = None
     cancel_asked: float | None = None     # monotonic time of the first cancel
     cancel_step: int | None = None        # engine.steps when the cancel was asked
     cancel_latency: float | None = None   # seconds from the cancel to RequestCancelled
@@ -88,12 +91,14 @@ class EngineThread:
         self._thread.join(timeout)
 
     def submit(self, command: Submit, *,
-               on_event: Callable[[ev.Event], None] | None = None) -> Handle:
+               on_event: Callable[[ev.Event], None] | None = None,
+               on_released: Callable[[], None] | None = None) -> Handle:
         """Validate (raises ValueError) and enqueue; the handle follows the request.
-        `on_event` is set before the request can emit anything, so it sees every event."""
+        `on_event` is set before the request can emit anything, so it sees every event;
+        `on_released` follows each batch that held one of them (see `Handle`)."""
         if self.error is not None:
             raise RuntimeError(f"the engine thread stopped: {self.error!r}")
-        handle = Handle(command.id, on_event=on_event)
+        handle = Handle(command.id, on_event=on_event, on_released=on_released)
         with self._lock:
             if command.id in self._handles:
                 raise ValueError(f"request id {command.id} is already in use")
@@ -132,26 +137,33 @@ class EngineThread:
         return future
 
     def _release(self) -> None:
-        """Route the events the journal now holds (called after each commit)."""
+        """Route the events the journal now holds (called after each commit), then tell
+        the handles that had one that the batch is complete."""
         events, self._uncommitted[:] = list(self._uncommitted), []
+        reached = {}
         for event in events:
-            self._route(event)
+            handle = self._route(event)
+            if handle is not None:
+                reached[handle.id] = handle
+        self._released(reached.values())
 
-    def _route(self, event: ev.Event) -> None:  # runs on the engine thread
+    def _route(self, event: ev.Event) -> Handle | None:  # runs on the engine thread
+        """Deliver `event` to its request's handle; the handle (None: nobody follows it)."""
         if event.request is None:
-            return
+            return None
         with self._lock:
             handle = self._handles.get(event.request)
             if handle is not None and event.kind in ev.CLIENT_END_KINDS:
                 del self._handles[event.request]
         if handle is None:
-            return
+            return None
         if event.kind in ("RequestCancelled", "PrefillDetached") \
                 and handle.cancel_asked is not None:
             handle.cancel_latency = time.monotonic() - handle.cancel_asked
             handle.cancel_steps = self.engine.steps - (handle.cancel_step or 0)
             self._record_cancel(handle.cancel_latency, handle.cancel_steps)
         self._deliver(handle, event)
+        return handle
 
     def _deliver(self, handle: Handle, event: ev.Event) -> None:
         handle.events.put(event)
@@ -164,6 +176,14 @@ class EngineThread:
                 log.exception("event consumer of %s failed", handle.id)
         if event.kind in ev.CLIENT_END_KINDS:
             handle.done.set()
+
+    def _released(self, handles) -> None:
+        for handle in handles:
+            if handle.on_released is not None:
+                try:
+                    handle.on_released()
+                except Exception:  # a consumer's bug must not stop the engine
+                    log.exception("event consumer of %s failed", handle.id)
 
     def _record_cancel(self, seconds: float, steps: int) -> None:
         self.cancel_latencies.append((seconds, steps))
@@ -218,3 +238,4 @@ class EngineThread:
                 exc, ModelLost) else "internal",
                                       message=f"engine stopped: {exc!r}")
             self._deliver(handle, failed)
+        self._released(handles)

@@ -96,7 +96,8 @@ class Generation:
         command = Submit(self.id, self.prompt, self.session, self.tenant, self.params,
                          boundaries=self.boundaries, shared_prefix=self.shared_prefix)
         try:
-            self.handle = self.server.thread.submit(command, on_event=self._from_engine)
+            self.handle = self.server.thread.submit(command, on_event=self._from_engine,
+                                                    on_released=self.handoff.release)
         except ValueError as exc:  # the engine's own validation: the request is at fault
             raise ApiError(400, str(exc)) from exc
         except RuntimeError as exc:

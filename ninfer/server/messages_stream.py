@@ -40,7 +40,7 @@ from .messages_bodies import (
     anthropic_error,
 )
 from .parsing import Delta
-from .streaming import StreamShape
+from .streaming import StreamShape, TextEvents
 
 
 def event(body: Body) -> bytes:
@@ -74,6 +74,7 @@ class MessagesShape(StreamShape):
         self.index = -1              # the current block's index
         self.open: str | None = None  # the current block's type, while it is open
         self.thinking = ""           # the open thinking block's text (its signature's input)
+        self._deltas: tuple[tuple[str, int], TextEvents] | None = None  # (kind, index)'s
 
     # --- figures --------------------------------------------------------------------------
 
@@ -151,11 +152,18 @@ class MessagesShape(StreamShape):
             out.append(event(BlockStart(index=self.index, content_block=block)))
         if kind == "thinking":
             self.thinking += d.text
-            delta = ThinkingDelta(thinking=d.text)
-        else:
-            delta = TextDelta(text=d.text)
-        out.append(event(BlockDelta(index=self.index, delta=delta)))
+        out.append(self._delta_events(kind).event(d.text))
         return out
+
+    def _delta_events(self, kind: str) -> TextEvents:
+        """The open block's text or thinking deltas: its `content_block_delta` event made
+        once with the mark for the text."""
+        if self._deltas is None or self._deltas[0] != (kind, self.index):
+            mark = TextEvents.MARK
+            delta = ThinkingDelta(thinking=mark) if kind == "thinking" else TextDelta(text=mark)
+            self._deltas = ((kind, self.index),
+                            TextEvents(event(BlockDelta(index=self.index, delta=delta))))
+        return self._deltas[1]
 
     def _close(self) -> list[bytes]:
         if self.open is None:

@@ -59,6 +59,30 @@ def sse(data: Body | dict | str) -> bytes:
     return f"data: {text}\n\n".encode()
 
 
+class TextEvents:
+    """The SSE events of one body that differ only in one string (a stream's text deltas),
+    byte for byte what the API's writer makes of the body: the template event, split once
+    around the string, with each text's JSON spliced in. A token's event then costs one
+    string's JSON, not pydantic models built, dumped and encoded (about a tenth of the
+    time)."""
+
+    MARK = "\x00"   # a template's text, which JSON writes as the escape "\u0000"
+    # json.dumps(text, ensure_ascii=False), without the encoder dumps makes on each call
+    # for an option off its default
+    _string = json.JSONEncoder(ensure_ascii=False).encode
+
+    def __init__(self, template: bytes) -> None:
+        """`template`: the event of the body with MARK for the string, its last string
+        (what comes before it, an id or a model's name, may hold anything)."""
+        head, found, tail = template.decode().rpartition(json.dumps(self.MARK))
+        if not found:
+            raise ValueError("the template holds no mark")
+        self.head, self.tail = head, tail
+
+    def event(self, text: str) -> bytes:
+        return (self.head + self._string(text) + self.tail).encode()
+
+
 class StreamShape(ABC):
     """How one API writes a generation on the wire. A stream is `opening()`, then
     `on_delta(d)` for each delta, then `closing()` when the generation succeeded or
@@ -106,6 +130,7 @@ class Shape(StreamShape):
         self.id = f"{prefix}-{gen.id}"
         self.created = int(time.time())
         self.calls = 0
+        self._text_events: dict[str, TextEvents] = {}   # by delta kind, made on first use
 
     def _chunk(self, choices: list, usage: Usage | None = None,
                timings: Timings | None = None) -> ChatCompletionChunk | TextCompletion:
@@ -199,7 +224,14 @@ class Shape(StreamShape):
         return [] if role is None else [sse(role)]
 
     def on_delta(self, d: Delta) -> list[bytes]:
-        return [sse(self.delta_chunk(d))]
+        if self.top_n is not None or d.kind == "tool_call":
+            return [sse(self.delta_chunk(d))]
+        events = self._text_events.get(d.kind)
+        if events is None:  # delta_chunk's chunk of this kind, made once around the mark
+            events = TextEvents(sse(self.delta_chunk(Delta(d.kind, TextEvents.MARK))))
+            self._text_events[d.kind] = events
+        self._unsent()  # as delta_chunk does: without log-probabilities, nothing to send
+        return [events.event(d.text)]
 
     def closing(self) -> list[bytes]:
         out = [sse(self.finish_chunk())]

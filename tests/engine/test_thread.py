@@ -94,3 +94,31 @@ def test_a_client_hears_only_of_what_the_journal_holds():
     # the thread ended on the failure, which it keeps for its owner (logged once, not
     # raised into threading's excepthook)
     assert not runner.alive and "disk full" in repr(runner.error)
+
+
+def test_a_batch_is_released_once_every_handle_has_its_events():
+    """A step's events reach every handle before any handle hears the batch is complete:
+    the server wakes its event loop then, once per step, with every stream's tokens."""
+    h = Harness(EngineConfig(prefill_chunk=64, max_concurrency=2))
+    h.engine.log.listeners.clear()
+    runner = EngineThread(h.engine)
+    log: list[tuple[str, str]] = []
+    handles = []
+    for rid in ("a", "b"):
+        handles.append(runner.submit(
+            Submit(rid, tuple(range(1, 12)), None, "t", SamplingParams(4)),
+            on_event=lambda e: log.append(("event", e.request)),
+            on_released=lambda rid=rid: log.append(("released", rid))))
+    runner.start()
+    for handle in handles:
+        assert handle.wait(10) is not None
+    runner.stop()
+    # the log is blocks of a batch's events then its releases, one per handle that had one
+    blocks: list[tuple[list[str], list[str]]] = []
+    for what, rid in log:
+        if what == "event" and (not blocks or blocks[-1][1]):
+            blocks.append(([], []))
+        (blocks[-1][0] if what == "event" else blocks[-1][1]).append(rid)
+    for events, released in blocks:
+        assert sorted(released) == sorted(set(events))
+    assert any(sorted(released) == ["a", "b"] for _, released in blocks)

@@ -5,7 +5,7 @@ same prompt and greedy output (so the decode rates compare like for like)."""
 from __future__ import annotations
 
 from ninfer.bench.serve import _stream, _stream_messages, _stream_responses
-from ninfer.bench.serve_streams import _gaps
+from ninfer.bench.serve_streams import _clients, _gaps
 
 
 def test_the_responses_client_measures_like_the_chat_client(live):
@@ -36,3 +36,12 @@ def test_gaps_during_a_window_are_those_that_overlap_it():
     arrivals = [0.0, 1.0, 2.0, 5.0, 6.0, 6.5]
     assert _gaps(arrivals) == [3.0, 1.0, 0.5]            # the stream's first two left out
     assert _gaps(arrivals, (2.5, 5.5)) == [3.0, 1.0]     # 2→5 spans the start, 5→6 the end
+
+
+def test_the_streams_together_share_one_client_and_count_every_token(live):
+    bodies = [{"messages": [{"role": "user", "content": f"Stream {i} of a bench batch."}],
+               "max_tokens": 5, "temperature": 0, "reasoning_effort": "none"} for i in range(3)]
+    seconds, tokens, chunks = _clients(live.url, bodies)
+    assert seconds > 0
+    assert tokens == 15
+    assert 3 <= chunks <= tokens
