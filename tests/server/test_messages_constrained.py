@@ -65,8 +65,10 @@ def test_thinking_closed_at_a_small_budget_then_the_answer_validates(live, clien
 
 def test_tool_choice_any_always_yields_valid_tool_use(client):
     """Sampled, so a different reply each time: tool_use blocks and nothing else, each
-    valid; in parallel the model may go on calling until max_tokens cuts it (a call cut
-    short is left as text)."""
+    valid; in parallel the model may go on calling until max_tokens cuts it: the whole
+    calls still end the message as tool_use (the client runs them), and the call cut short
+    is left as text (`messages_stream.MessagesShape.stop`). This test once asked for no
+    text with tool_use whatever cut the reply, and failed when a sample ran long."""
     for disable in (False, False, True, True):
         message = client.messages.create(
             model=MODEL, max_tokens=200, extra_body={"temperature": 1.0}, tools=[WEATHER, TIME],
@@ -79,7 +81,8 @@ def test_tool_choice_any_always_yields_valid_tool_use(client):
         if disable:
             assert len(calls) == 1 and message.stop_reason == "tool_use"
         if message.stop_reason == "tool_use":
-            assert text_of(message) == ""
+            cut = message.usage.output_tokens >= 200
+            assert text_of(message) == "" or cut and text_of(message).startswith("<tool_call>")
         else:
             assert message.stop_reason == "max_tokens"
             assert text_of(message) == "" or text_of(message).startswith("<tool_call>")
