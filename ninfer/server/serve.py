@@ -381,8 +381,8 @@ def build(args: argparse.Namespace):
 
     def start() -> None:
         from ..model.runtime import watch_compiles
-        compiles = watch_compiles(args.device)
         try:
+            compiles = watch_compiles(args.device)
             result = load(args)
             loaded.append(result)
             held = result.thread.engine.config.max_context   # (a KV pool sized at load)
