@@ -425,8 +425,9 @@ class TorchModel:
         of that shape (the warm-up: `ninfer.server.warmup`): decode graphs of every batch
         size up to `lanes` and block-table width up to `max_context`'s; with
         `verify_tokens` (a round's drafts + 1; 0: no speculation) the verify graphs of 2 ..
-        that many tokens, and the MTP graphs when the net has the head. A report (counts,
-        seconds, the graph memory the captures took), None without graphs."""
+        that many tokens, and the MTP graphs when the net has the head. A report (the graphs
+        of each kind held afterwards, those a request had captured already among them; the
+        seconds and memory the rest took), None without graphs."""
         if self.graphs is None:
             return None
         from .graphs import graph_shapes

@@ -48,29 +48,27 @@ class Planned:
     tokens: int
     after: str | None = None
     sampled: bool = False
-    group: int = 0      # requests of one group are submitted together (decoded as a batch)
 
 
-def planned(chunk: int, max_context: int) -> list[Planned]:
-    """The warm-up's requests for prefill chunks of `chunk` tokens, each prompt within
-    `max_context` with its output (a later turn that would not fit is left out). Alone
-    and together: a batch of prompts prefills as one packed (varlen) call, a kernel
-    specialisation of its own."""
+def planned(chunk: int, max_context: int) -> list[list[Planned]]:
+    """The warm-up's requests for prefill chunks of `chunk` tokens, in batches: a batch's
+    requests are submitted together (prefilled as one packed call, a kernel specialisation
+    of its own, and decoded together), each batch after the one before it has finished.
+    Each prompt must fit `max_context` with its output (one that does not is left out)."""
     first = min(chunk + UNALIGNED, max(1, max_context // 2 - 16))
     second = min(chunk // 2, max(1, max_context // 4))
-    return [Planned("chunk-and-rest", first, 8, group=0),
-            Planned("next-turn", NEW_TURN, 4, after="chunk-and-rest", group=1),
-            Planned("one-token-turn", 1, 2, after="next-turn", group=2),
-            Planned("half-chunk", second, 4, group=3),
-            Planned("its-next-turn", NEW_TURN, 4, after="half-chunk", group=4),
-            # a few new tokens, each in a tile size class of its own (the conv's power of
-            # two up to 64; the attention's row block of 16 below 5)
-            *(Planned(f"turn-of-{n}", n, 2, after=after, group=5 + i) for i, (n, after) in
-              enumerate(((2, "its-next-turn"), (3, "turn-of-2"), (12, "turn-of-3")))),
-            Planned("one-tile", 64, 4, group=8),
-            Planned("aligned", 48, 6, group=9), Planned("short", 5, 6, group=9),
-            Planned("odd", 100, 6, group=9),
-            Planned("sampled", 21, 4, sampled=True, group=10)]
+    # a few new tokens, each in a tile size class of its own (the conv's power of two up
+    # to 64; the attention's row block of 16 below 5)
+    turns = [(2, "its-next-turn"), (3, "turn-of-2"), (12, "turn-of-3")]
+    return [[Planned("chunk-and-rest", first, 8)],
+            [Planned("next-turn", NEW_TURN, 4, after="chunk-and-rest")],
+            [Planned("one-token-turn", 1, 2, after="next-turn")],
+            [Planned("half-chunk", second, 4)],
+            [Planned("its-next-turn", NEW_TURN, 4, after="half-chunk")],
+            *([Planned(f"turn-of-{n}", n, 2, after=after)] for n, after in turns),
+            [Planned("one-tile", 64, 4)],
+            [Planned("aligned", 48, 6), Planned("short", 5, 6), Planned("odd", 100, 6)],
+            [Planned("sampled", 21, 4, sampled=True)]]
 
 
 @dataclass
@@ -99,10 +97,10 @@ def warm_up(server, *, verify_tokens: int = 0, full: bool | None = None) -> Warm
     outputs: dict[str, tuple[int, ...]] = {}
     sessions: dict[str, str] = {}   # a next turn continues its first turn's session
     plan = planned(config.prefill_chunk, config.max_context) if full \
-        else [Planned("short", 5, 2)]
-    for group in sorted({p.group for p in plan}):
+        else [[Planned("short", 5, 2)]]
+    for batch in plan:
         handles = []
-        for p in (p for p in plan if p.group == group):
+        for p in batch:
             if p.after and p.after not in outputs:
                 continue   # (its first turn was left out)
             head = outputs[p.after] if p.after else ()
@@ -154,6 +152,7 @@ def warm_up(server, *, verify_tokens: int = 0, full: bool | None = None) -> Warm
     log.info("warm-up: %d requests (%d from a stored state) in %.1f s%s; %.1f s in all",
              report.requests, report.reused, report.requests_s,
              "" if not g else f"; {g['count']} CUDA graphs ({g['decode']} decode, "
-             f"{g['verify']} verify, {g['mtp']} MTP) captured in {g['seconds']:.1f} s, "
+             f"{g['verify']} verify, {g['mtp']} MTP) held, those not yet captured taking "
+             f"{g['seconds']:.1f} s, "
              f"graph memory {g['memory_bytes'] / 2**20:,.0f} MiB", report.total_s)
     return report

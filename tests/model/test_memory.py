@@ -39,6 +39,15 @@ def test_a_small_gpu_is_refused_with_what_to_give(tiny_config):
         kv_capacity_for(2**20, tiny_config, dtype_bytes=2, mtp=True, num_slots=8,
                         block_size=16)
     assert MIN_POSITIONS >= 16
+    # the threshold itself: just enough memory for MIN_POSITIONS is taken, a block less not
+    c, slots = tiny_config, 8
+    need = slot_bytes(c, 2, slots, twins=True) + -(-MIN_POSITIONS * kv_bytes_per_position(
+        c, 2, mtp=True) // KV_SHARE) + 1
+    assert kv_capacity_for(need, c, dtype_bytes=2, mtp=True, num_slots=slots,
+                           block_size=16) == MIN_POSITIONS
+    with pytest.raises(ValueError, match=f"{MIN_POSITIONS - 16:,} KV positions"):
+        kv_capacity_for(need - 16 * kv_bytes_per_position(c, 2, mtp=True), c, dtype_bytes=2,
+                        mtp=True, num_slots=slots, block_size=16)
 
 
 def test_off_a_gpu_no_capacity_means_the_default():
