@@ -4,7 +4,7 @@
 # /tmp/site (never the project's pins), then runs the kernel tests on real shapes and the
 # benchmarks, writing JSON results to $OUT (or bench/results/ when OUT is unset).
 #
-#   bench/gpu.sh [kernels] [engine] [baseline] [skinny] [gdn-sweep] [profile] [serve]
+#   bench/gpu.sh [kernels] [engine] [baseline] [skinny] [gdn-sweep] [profile] [turn-profile] [serve]
 #                (default: the first three)
 #
 # Wheels to carry in .whl/ (pip download --no-deps for CPython 3.12 manylinux x86_64 on a
@@ -47,6 +47,9 @@ for stage in $stages; do
         ;;
     gdn-sweep)  # the GDN prefill under each launch configuration, against fla
         python3 -m ninfer.bench.gdn_sweep "$OUT/gdn-sweep-h200.json" || status=1
+        ;;
+    turn-profile)  # the next turn inside the engine: steps, kernels, syncs, host ops
+        python3 -m ninfer.bench.turn_profile "$OUT/turn-profile-$(python3 -c "from ninfer.bench.serve_outside import card_name; print(card_name('cuda'))").json" || status=1
         ;;
     profile)  # kernel by kernel: the decode graphs (with and without PDL), the prefill
         python3 -m ninfer.bench.profile "$OUT/profile-h200.json" || status=1
