@@ -1,10 +1,13 @@
 """Prefill: a lane's prompt fed in chunks, checkpoints captured where they may be reused.
 
 A chunk ends at the next checkpoint position (the end of the shared prefix, an anchor at
-a message boundary) so the state there can be captured; every chunk end short of the
-target is captured as a fallback, so a cut prefill can publish the newest point whose
-parts are complete. Under MTP the MTP layer catches up on what the main model committed
-before the next chunk, and before a finished turn is published.
+a message boundary) so the state there can be captured, unless it is at most
+`Model.keeps_states_up_to` tokens (a next turn's short message): then it runs in one forward
+that keeps every position's state, and its checkpoints inside are picked from those. Every
+checkpoint position short of the target is captured as a fallback too, so a cut prefill can
+publish the newest point whose parts are complete. Under MTP the MTP layer catches up on
+what the main model committed before the next chunk, and before a finished turn is
+published.
 """
 
 from __future__ import annotations
@@ -49,10 +52,9 @@ class Prefill:
         seq = request.sequence
         start = request.cursor
         end = min(start + min(self.chunk, limit or self.chunk), request.prefill_goal)
-        for split in self.checkpoint_positions(request):
-            if start < split < end:
-                end = split
-                break
+        stops = [p for p in self.checkpoint_positions(request) if start < p < end]
+        if stops and end - start > runner.model.keeps_states_up_to:
+            end, stops = stops[0], []  # a forward per piece, captured at its end
         if not self.reserve(live, end, end if runner.mtp else 0):
             return None
         if runner.mtp:  # the MTP layer catches up on the chunk the main model committed
@@ -62,7 +64,11 @@ class Prefill:
         greedy: Any = None
         logits: Any = None
         if end > start:
-            greedy, logits = runner.prefill(lane, seq, start, end)
+            greedy, logits, kept = runner.prefill(lane, seq, start, end, stops)
+            for stop in stops:  # captured from the states the one forward kept there
+                request.cursor = stop
+                request.emit(ev.PrefillAdvanced, cursor=stop)
+                self._capture_at(live, stop, kept[stop])
             request.cursor = end
             request.emit(ev.PrefillAdvanced, cursor=end)
             self._capture_at(live, end)
@@ -93,7 +99,9 @@ class Prefill:
         n = self.auto_anchors
         return request.boundaries[-n:] if n > 0 else ()
 
-    def _capture_at(self, live: Live, position: int) -> None:
+    def _capture_at(self, live: Live, position: int, state: tuple | None = None) -> None:
+        """Checkpoints at `position` in the roles it has: of the lane's frontier, or of
+        `state` (`Runner.prefill`'s, kept at a stop inside its forward)."""
         request = live.request
         roles = []
         if position == request.shared_prefix:
@@ -107,7 +115,7 @@ class Prefill:
                 return
             tokens = request.sequence[:position]
             held = self.runner.capture(live.lane, self.checkpoint_id(request), tokens, role,
-                                       request.sequence_hashes)
+                                       request.sequence_hashes, state)
             live.captures.append(held)
             # timelines are its one reader: the ids (its request's prompt's prefix, already
             # journaled) would make the row O(context) on the way to the first token

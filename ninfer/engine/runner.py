@@ -112,13 +112,18 @@ class Runner:
         return shared
 
     def capture(self, lane: Lane, cp_id: str, tokens: Sequence[int], role: str,
-                hashes: tuple[int, ...] = ()) -> Held:
-        """Snapshot the lane at its frontier len(tokens) while it goes on: blocks shared by
-        reference (positions below the frontier are never rewritten), the slot copied.
-        `hashes`: block hashes of `tokens` or of a prefix of them, when the caller has them."""
+                hashes: tuple[int, ...] = (), state: tuple | None = None) -> Held:
+        """Snapshot the lane at len(tokens) while it goes on: blocks shared by reference
+        (positions below it are never rewritten), the slot copied: the lane's, at its
+        frontier, or `state` (a recurrent state and hidden state `prefill` kept at a stop
+        inside its forward). `hashes`: block hashes of `tokens` or of a prefix of them, when
+        the caller has them."""
         p = len(tokens)
         slot = self.slots.alloc()
-        self.model.copy_slot(lane.slot, slot)
+        if state is None:
+            self.model.copy_slot(lane.slot, slot)
+        else:
+            self.model.accept(Lane(slot=slot), *state)
         return Held(cp_id, p, tuple(tokens), self._share(lane.attn_blocks, p),
                     self._share(lane.mtp_blocks, min(lane.mtp_valid, p - 1)),
                     min(lane.mtp_valid, p - 1), slot, self._hidden_at(lane, p), role,
@@ -204,18 +209,22 @@ class Runner:
         self.model.init_slot(lane)
         lane.fence = self.model.fence()
 
-    def prefill(self, lane: Lane, seq: Sequence[int], start: int, end: int
-                ) -> tuple[int, object]:
-        """Feed seq[start:end]; return the greedy token after position end-1 and the
-        logits there (None for a model without logits)."""
-        out = self.model.forward(lane, seq[start:end], start)
+    def prefill(self, lane: Lane, seq: Sequence[int], start: int, end: int,
+                stops: Sequence[int] = ()) -> tuple[int, object, dict[int, tuple]]:
+        """Feed seq[start:end] in one forward; return the greedy token after position
+        end-1, the logits there (None for a model without logits), and for each position
+        in `stops` (inside (start, end), at most `Model.keeps_states_up_to` tokens fed) the
+        state there as `capture` takes it."""
+        out = self.model.forward(lane, seq[start:end], start, per_position=bool(stops))
         lane.fence = self.model.fence()
         last_hidden = out.hidden[-1] if self.mtp else None
         self.model.accept(lane, out.states[-1], last_hidden)
         if self.mtp:
             for i, h in enumerate(out.hidden):
                 lane.hidden[start + i] = h
-        return out.greedy[-1], None if out.logits is None else out.logits[-1]
+        kept = {p: (out.states[p - start - 1], out.hidden[p - start - 1] if self.mtp else None)
+                for p in stops}
+        return out.greedy[-1], None if out.logits is None else out.logits[-1], kept
 
     def mtp_catch_up(self, lane: Lane, seq: Sequence[int], upto: int) -> MtpOut | None:
         """Write MTP KV entries [mtp_valid, upto) from verified hidden states; return the

@@ -110,6 +110,9 @@ class Model(Protocol):
     vocab_size: int
     block_size: int          # KV positions per block of the pools
     runs_ahead: bool         # whether `forward_batch(ahead=True)` may run the next step
+    # the longest `per_position` forward whose every position's state `accept` may pick
+    # (a prefill with checkpoints inside it is one forward up to this many tokens)
+    keeps_states_up_to: int
 
     def forward(self, lane: Lane, tokens: Sequence[int], start: int,
                 per_position: bool = False) -> Forward:
@@ -120,8 +123,10 @@ class Model(Protocol):
         """Feed each item's tokens at positions start..: write their attention KV, read
         the KV of [0, start) from storage and the recurrent state from the lane's slot. The
         slot is not changed: `accept` picks the state to keep. `per_position`: the state
-        after every position is kept (a verify's rollback is then a pick); otherwise (a
-        prefill) only the last one's state, greedy token and logits need be made.
+        after every position is kept (a verify's rollback is then a pick; a prefill's
+        checkpoints inside it are picks), for forwards of up to `keeps_states_up_to`
+        tokens; otherwise (a prefill) only the last one's state, greedy token and logits
+        need be made.
         `ahead`: see the class docstring. `outputs` false: the caller reads only the greedy
         tokens, so the logits and hidden states may be left out (None)."""
 

@@ -23,6 +23,7 @@ from .protocol import Forward, ForwardItem, Lane, MissingStatePart, MtpOut, Part
 
 MASK = (1 << 61) - 1
 CONV = 4
+KEEPS_STATES_UP_TO = 32  # as TorchModel: the engine takes the same decisions
 KV_TAG, OUT_TAG, MTP_TAG, NOISE_TAG = 11, 13, 17, 19
 
 
@@ -80,6 +81,7 @@ class SimModel:
         self.vocab_size, self.block_size, self.seed = vocab_size, block_size, seed
         self.draft_quality = draft_quality  # 1 in draft_quality MTP drafts is wrong
         self.runs_ahead = runs_ahead
+        self.keeps_states_up_to = KEEPS_STATES_UP_TO
         self._ahead: _Ahead | None = None
         self.adopted = self.dropped = 0   # steps run ahead, by fate (for tests)
         # storage: never cleared on free, like device memory

@@ -242,6 +242,7 @@ class ShardedModel:
         self.executor = Executor(local, 0)
         self.identity, self.dtypes = identity, local.dtypes
         self.vocab_size, self.block_size = local.vocab_size, local.block_size
+        self.keeps_states_up_to = local.keeps_states_up_to
         self.world = wire.world
         self._completed = 0
         self.lost: ModelLost | None = None

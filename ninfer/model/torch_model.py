@@ -197,6 +197,10 @@ class TorchModel:
                 self.mtp_graphs = MtpGraphs(self, self.graphs.pool)
 
     @property
+    def keeps_states_up_to(self) -> int:
+        return VERIFY_STATES_UP_TO
+
+    @property
     def runs_ahead(self) -> bool:
         """Whether greedy one-token steps may be launched ahead of the engine (decode
         graphs, `FLAGS.run_ahead`): the engine then reserves the next position's block a step

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..engine.engine import Engine, EngineConfig, Submit, run_until_idle
+from ..lifecycle import events as ev
 from ..lifecycle import salvage
 from ..lifecycle.checks import JournalChecker
 from ..lifecycle.journal import Journal, chain
@@ -46,6 +47,7 @@ class Harness:
         self.ids = 0
         self.submitted: dict[str, Submit] = {}
         self.past: dict = {}                  # requests of engines before a restart
+        self.misjudged: str | None = None     # the oracle's refusal of a publication
         self.engine = self._boot(None, config)
 
     def _boot(self, kept: tuple | None, config: EngineConfig,
@@ -65,6 +67,8 @@ class Harness:
                         held=held, endpoint_files=files, clock=self.clock,
                         grammars=self.grammars)
         engine.log.listeners.append(self.checker.feed)
+        if self.oracle:  # each publication as it happens (a restore may follow in the step)
+            engine.log.listeners.append(lambda e: self._judge(e, engine.mode))
         engine.recover()
         return engine
 
@@ -89,10 +93,10 @@ class Harness:
 
     def step(self, n: int = 1) -> None:
         for _ in range(n):
-            self.engine.step()
+            self._driving(self.engine.step)
 
     def run(self, max_steps: int = 5_000) -> None:
-        run_until_idle(self.engine, max_steps)
+        self._driving(lambda: run_until_idle(self.engine, max_steps))
         assert self.engine.idle(), f"engine not idle after {max_steps} steps (livelock?)"
 
     def request(self, rid: str):
@@ -127,6 +131,25 @@ class Harness:
         yield from current.read(start)
 
     # --- invariants --------------------------------------------------------------------
+
+    def _judge(self, event, mode) -> None:
+        """The oracle on a publication, as it happens: a refusal of the spec's predicate is
+        kept and raised when the engine's step is over (raised inside the step, it would
+        leave the engine torn), ahead of whatever else the step raised."""
+        if isinstance(event, ev.EndpointPublished) and self.misjudged is None:
+            decision = SPEC_PREDICATE(event.endpoint.checkpoint, mode)
+            if not decision.ok:
+                self.misjudged = (f"endpoint {event.endpoint.id} in the store (published): "
+                                  f"{decision.reason}")
+
+    def _driving(self, run) -> None:
+        try:
+            run()
+        except Exception as exc:
+            if self.misjudged is not None:
+                raise AssertionError(self.misjudged) from exc
+            raise
+        assert self.misjudged is None, self.misjudged
 
     def check(self) -> None:
         """Every invariant that is not already checked event by event."""
