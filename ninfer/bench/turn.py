@@ -10,8 +10,9 @@ conversation of its own. Turn 2 is timed two ways:
   engine queued it (HTTP, parsing, the template, tokenising, the conversation's history,
   the submit check, the engine's pick-up), queued → started (the planner's reuse decision,
   the endpoint restored), started → prefill completed (the delta's prefill and the first
-  token sampled, the checkpoints captured on the way; the delta is prefilled in one forward
-  per piece between the checkpoints' positions, counted), completed → the client's first
+  token sampled, the checkpoints captured on the way; the delta's pieces between the
+  checkpoints' positions and the model's forwards are counted: a short delta is one
+  forward, its checkpoints picked from it), completed → the client's first
   token (the step's journal commit, the event routed, SSE framing, the socket); and the
   journal's bytes of the request's rows up to its first token (the engine thread encodes
   them as JSON before it releases the token);
@@ -63,7 +64,7 @@ HOST = [("parse", "host: JSON parse + validate"),
         ("journal_row", "host: RequestQueued row (ids as JSON)")]
 
 
-COUNTS = ("prompt_tokens", "cached_tokens", "forwards", "journal_kib")
+COUNTS = ("prompt_tokens", "cached_tokens", "pieces", "forwards", "journal_kib")
 
 
 def _timed(fn: Callable[[], object], reps: int = 3) -> float:
@@ -123,7 +124,7 @@ class Journaled(NamedTuple):
     """What the journal says of one request up to its first token."""
 
     times: dict[str, float]   # wall time of each kind's first event
-    forwards: int             # prefill forwards: PrefillAdvanced events
+    pieces: int               # the delta's pieces between checkpoints: PrefillAdvanced
     kib: float                # its rows' payloads, written before the first token's release
 
 
@@ -132,15 +133,35 @@ def journaled(journal: str) -> Journaled:
     last = _read(journal, "SELECT request FROM events WHERE kind = 'RequestQueued' "
                           "ORDER BY seq DESC LIMIT 1")[0][0]
     times: dict[str, float] = {}
-    forwards, size = 0, 0
+    pieces, size = 0, 0
     for kind, t, n in _read(journal, "SELECT kind, time, length(data) FROM events "
                                      "WHERE request = ? ORDER BY seq", last):
         if "PrefillCompleted" in times:
             break
         times.setdefault(kind, t)
-        forwards += kind == "PrefillAdvanced"
+        pieces += kind == "PrefillAdvanced"
         size += n
-    return Journaled(times, forwards, size / 1024)
+    return Journaled(times, pieces, size / 1024)
+
+
+class ForwardTimes:
+    """The wall times of the model's forwards (`forward_batch` calls), from now on: the
+    engine thread's, while the bench thread reads them."""
+
+    def __init__(self, model) -> None:
+        self.model, self.inner = model, model.forward_batch
+        self.times: list[float] = []
+
+        def forward_batch(*args, **kw):
+            self.times.append(time.time())
+            return self.inner(*args, **kw)
+        model.forward_batch = forward_batch
+
+    def until(self, t: float) -> int:
+        return sum(s <= t for s in self.times)
+
+    def close(self) -> None:
+        self.model.forward_batch = self.inner
 
 
 def host_stages(server, messages: list[dict], session: str) -> dict[str, float]:
@@ -214,8 +235,13 @@ def one_turn(url: str, server, journal: str, prompts, n: int, key: int) -> dict[
     out = host_stages(server, messages, session)
     out["http_parse"] = http_trip(url, messages, session)
     wall_minus_perf = time.time() - time.perf_counter()
-    turn2 = stream_chat(url, messages, session=session, max_tokens=2)
-    events, forwards, kib = journaled(journal)
+    watch = ForwardTimes(server.thread.engine.model)
+    try:
+        turn2 = stream_chat(url, messages, session=session, max_tokens=2)
+    finally:
+        watch.close()
+    events, pieces, kib = journaled(journal)
+    forwards = watch.until(events["PrefillCompleted"])
     sent, first = turn2.sent + wall_minus_perf, turn2.arrivals[0] + wall_minus_perf
     queued, started = events["RequestQueued"], events["RequestStarted"]
     prefilled = events["PrefillCompleted"]
@@ -225,7 +251,7 @@ def one_turn(url: str, server, journal: str, prompts, n: int, key: int) -> dict[
                prefilled_to_client=1000 * (first - prefilled),
                per_forward=1000 * (prefilled - started) / max(forwards, 1),
                prompt_tokens=turn2.prompt_tokens, cached_tokens=turn2.cached_tokens,
-               forwards=forwards, journal_kib=kib)
+               pieces=pieces, forwards=forwards, journal_kib=kib)
     return out
 
 
