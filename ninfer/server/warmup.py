@@ -5,7 +5,8 @@ Two parts, both on the engine thread, timed and logged:
 
 - requests (`planned`), each through the whole engine: a prompt of one whole prefill
   chunk and an unaligned rest, its next turn (a restore, then a delta prefill at an
-  unaligned position), a one-token next turn, a half chunk and next turns of a few tokens,
+  unaligned position), a one-token next turn, a half chunk and next turns of a few tokens
+  (with the message boundaries a served next turn has: one forward keeping its states),
   short prompts alone and prefilled together, a sampled request. Triton specialises a
   kernel on its constexprs (tile sizes that follow a length's power of two) and its integer
   arguments (one, a multiple of 16, anything else): these lengths and offsets compile the
@@ -48,6 +49,16 @@ class Planned:
     tokens: int
     after: str | None = None
     sampled: bool = False
+    anchored: bool = True   # a next turn with the boundaries a served one has (`bounds`)
+
+    def bounds(self, head: int) -> tuple[int, ...]:
+        """A next turn's message boundaries after `head` tokens, as the server sends them:
+        the reply's end and the new message's end (a generation prompt of 3 tokens
+        after it), so its delta is one forward that keeps its positions' states (another
+        specialisation than a plain prefill's)."""
+        if not self.after or not self.anchored:
+            return ()
+        return (head,) + ((head + self.prompt - 3,) if self.prompt > 4 else ())
 
 
 def planned(chunk: int, max_context: int) -> list[list[Planned]]:
@@ -59,9 +70,9 @@ def planned(chunk: int, max_context: int) -> list[list[Planned]]:
     second = min(chunk // 2, max(1, max_context // 4))
     # a few new tokens, each in a tile size class of its own (the conv's power of two up
     # to 64; the attention's row block of 16 below 5)
-    turns = [(2, "its-next-turn"), (3, "turn-of-2"), (12, "turn-of-3")]
+    turns = [(2, "its-next-turn"), (3, "turn-of-2"), (12, "turn-of-3"), (16, "turn-of-12")]
     return [[Planned("chunk-and-rest", first, 8)],
-            [Planned("next-turn", NEW_TURN, 4, after="chunk-and-rest")],
+            [Planned("next-turn", NEW_TURN, 4, after="chunk-and-rest", anchored=False)],
             [Planned("one-token-turn", 1, 2, after="next-turn")],
             [Planned("half-chunk", second, 4)],
             [Planned("its-next-turn", NEW_TURN, 4, after="half-chunk")],
@@ -121,7 +132,8 @@ def warm_up(server, *, verify_tokens: int = 0, full: bool | None = None) -> Warm
                     report.reused += 1
 
             handle = thread.submit(Submit(f"warmup-{server.boot}-{p.name}", prompt,
-                                          session, TENANT, params), on_event=seen)
+                                          session, TENANT, params, p.bounds(len(head))),
+                                   on_event=seen)
             handles.append((p, prompt, tokens, handle))
         for p, prompt, tokens, handle in handles:
             outcome = handle.wait(600)

@@ -28,11 +28,16 @@ def test_the_full_warm_up_runs_each_planned_request_and_leaves_nothing(spec):
     report = warm_up(server, verify_tokens=4 if spec == "mtp" else 0, full=True)
     server.thread.stop()
     assert server.thread.error is None
-    assert report.requests == sum(map(len, planned(32, 512))) == 13
-    assert report.reused == 6     # the next turns and the one-token turn restored a state
+    assert report.requests == sum(map(len, planned(32, 512))) == 14
+    assert report.reused == 7     # the next turns and the one-token turn restored a state
     assert report.graphs is None  # (a model without CUDA graphs)
     started = [e for e in h.journal.read() if e.kind == "RequestStarted"]
-    assert len(started) == 13
+    assert len(started) == 14
+    # a served next turn's anchors: captured at the reply's end and the message's end
+    turn = next(e for e in started if e.request.endswith("-its-next-turn"))
+    captured = {e.checkpoint.position for e in h.journal.read()
+                if e.kind == "CheckpointCaptured" and e.request == turn.request}
+    assert {turn.reuse_base + 1, turn.reuse_base + 1 + 29 - 3} <= captured
     assert not [s for s in h.engine.store.endpoints.values() if s.facts.tenant == TENANT]
     JournalChecker().feed_all(h.journal.read())
     h.engine.check_integrity()
@@ -43,7 +48,7 @@ def test_a_small_context_leaves_out_the_turns_that_would_not_fit():
     h, server = _server(EngineConfig(max_concurrency=2, prefill_chunk=16, max_context=48))
     report = warm_up(server, full=True)
     server.thread.stop()
-    assert 0 < report.requests < 13
+    assert 0 < report.requests < 14
     assert not [s for s in h.engine.store.endpoints.values() if s.facts.tenant == TENANT]
 
 
