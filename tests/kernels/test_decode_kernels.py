@@ -148,8 +148,9 @@ def test_gdn_tile_setting_cuts_calls_that_name_no_tile(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gdn_all_states_per_position(dtype):
-    B, T, Hk, Hv, Dk, Dv = 2, 4, 1, 2, 16, 32
+@pytest.mark.parametrize("T", [4, 31])  # a verify; a next turn's delta in one forward
+def test_gdn_all_states_per_position(dtype, T):
+    B, Hk, Hv, Dk, Dv = 2, 1, 2, 16, 32
     q, k, v, g, beta = _gdn_inputs(2, B, T, Hk, Hv, Dk, Dv, dtype)
     pool, buffer = _slot_pool(3, 4, (Hv, Dk, Dv))
     before = buffer.clone()
@@ -284,7 +285,7 @@ def test_conv_to_destination_slots_leaves_its_inputs():
         causal_conv1d_update(x, pool[:2], weight, out_indices=dests)
 
 
-@pytest.mark.parametrize("T", [2, 4])
+@pytest.mark.parametrize("T", [2, 4, 31])
 def test_conv_all_states_and_padding_lane(T):
     B, C, K = 2, 24, 4
     x, weight, _ = _conv_inputs(8, B, C, T, K, torch.float32)
@@ -355,7 +356,7 @@ def _sdpa_contiguous(q, k_cache, v_cache, tables, lens, causal_tail=True):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("T", [1, 4, 31])
 def test_paged_attention_ragged_gqa(dtype, T):
     B, Hq, Hkv, D, bs = 3, 4, 2, 32, 16
     q, k_cache, v_cache, tables, lens = _paged_inputs(
@@ -503,7 +504,7 @@ def test_gpu_conv_prefill_chunk_in_time_tiles():
 
 
 @gpu_only
-@pytest.mark.parametrize("B,T", [(1, 1), (4, 4)])
+@pytest.mark.parametrize("B,T", [(1, 1), (4, 4), (1, 31)])
 def test_gpu_paged_attention_real_shape(B, T):
     Hq, Hkv, D, bs, L = 8, 2, 256, 16, 4096  # the 0.73B model's attention at 4K context
     lens = [L - 37 * b for b in range(B)]

@@ -72,6 +72,34 @@ def test_the_kernel_path_gives_the_torch_paths_tokens(spec):
     assert all(isinstance(s, SlotGDNState) for s in state.gdn.values())
 
 
+def _anchored(spec: str):
+    """Turn 1, then a next turn with a served one's boundaries (the reply's end, the
+    message's end): one forward keeping its states, its anchors picked from them; then a
+    branch restored from the message's anchor. (check_reuse: every restored part equals a
+    recomputation.)"""
+    h = Harness(EngineConfig(spec=spec, prefill_chunk=16, draft_tokens=2, check_reuse=True,
+                             auto_anchors=2), model_factory=_factory)
+    first = h.submit(PROMPT, "s", max_tokens=3, boundaries=(len(PROMPT),))
+    h.run()
+    head = PROMPT + tuple(h.request(first).outputs)
+    turn2 = head + (4, 5, 6, 7, 8, 9, 10, 11)
+    bounds = (len(PROMPT), len(head), len(turn2) - 3)
+    second = h.submit(turn2, "s", max_tokens=3, boundaries=bounds)
+    h.run()
+    branch = h.submit(turn2[:bounds[-1]] + (20, 21), "s", max_tokens=3, boundaries=bounds)
+    h.run()
+    h.check()
+    assert h.request(branch).plan.kind == "PrivateAnchor"
+    return [h.request(r).outputs for r in (first, second, branch)]
+
+
+def test_an_anchored_next_turn_in_one_forward_gives_the_torch_paths_tokens():
+    want = _anchored("mtp")   # (the hidden states kept too; the interpreter is slow)
+    with override(interpret_on_cpu=True):
+        got = _anchored("mtp")
+    assert got == want
+
+
 def test_verify_rounds_through_the_skinny_kernels_give_the_torch_paths_tokens(monkeypatch):
     # the flag `skinny_rows` 4 (the GPU bench's `skinny_rows` row): a verify of 3 positions
     # (and a prefill of up to 4) takes the folded path (norms and residuals inside the
