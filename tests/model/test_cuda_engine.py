@@ -74,6 +74,31 @@ def test_decode_on_cuda_equals_the_reference(spec, graphs, zero_copy):
 
 
 
+@pytest.mark.parametrize("spec", ["none", "mtp"])
+def test_an_anchored_next_turn_on_cuda_is_one_forward_and_its_anchors_exact(spec):
+    """A served next turn's short delta (the reply's end and the message's end inside it)
+    in one forward keeping its states; a branch restored from the message's anchor equals
+    the reference (check_reuse: every restored part equals a recomputation)."""
+    h = Harness(EngineConfig(spec=spec, prefill_chunk=8, auto_anchors=2, check_reuse=True),
+                model_factory=_factory(True))
+    first = h.submit(PROMPT, "s", max_tokens=6, boundaries=(len(PROMPT),))
+    h.run()
+    head = PROMPT + tuple(h.request(first).outputs)
+    turn2 = head + tuple(range(40, 60)) + (7, 8, 9)
+    bounds = (len(PROMPT), len(head), len(turn2) - 3)
+    second = h.submit(turn2, "s", max_tokens=4, boundaries=bounds)
+    h.run()
+    branch = turn2[:bounds[-1]] + (61, 62)
+    third = h.submit(branch, "s", max_tokens=6, boundaries=bounds)
+    h.run()
+    h.check()
+    assert h.request(second).plan.kind == "PrivateEndpoint"
+    assert (h.request(third).plan.kind, h.request(third).plan.reuse_base) == (
+        "PrivateAnchor", bounds[-1])
+    ref, gaps = reference(branch, 6, tiny_net(torch.float32))
+    assert agree_until_tie(h.request(third).outputs, ref, gaps, tie=1e-3)
+
+
 def test_mtp_with_drafting_paused_runs_plain_steps_ahead():
     # the tiny net's random MTP head is nearly always wrong, so drafting pauses; its plain
     # rounds then run the next step ahead (adopted by the next round) and decode the
