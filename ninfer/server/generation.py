@@ -149,11 +149,7 @@ class Generation:
 
     def absorb(self, event: ev.Event) -> list[Delta]:
         """Update bookkeeping with one event; the text deltas it releases."""
-        if isinstance(event, ev.RequestStarted):
-            self._unpend()
-            self.plan, self.reuse_base, self.phase = event.plan, event.reuse_base, "prefill"
-            self.started_at = self.started_at or event.time
-        elif isinstance(event, ev.TokensCommitted):
+        if isinstance(event, ev.TokensCommitted):  # first: nearly every event is one
             if self.first_at is None:
                 self.first_at = event.time
                 self.phase = "decode"
@@ -174,6 +170,10 @@ class Generation:
                 self.cancel_reason, self.cancel_phase = "stop_string", self.phase
                 self.server.thread.stop_request(self.id)
             return self._parse(text)
+        elif isinstance(event, ev.RequestStarted):
+            self._unpend()
+            self.plan, self.reuse_base, self.phase = event.plan, event.reuse_base, "prefill"
+            self.started_at = self.started_at or event.time
         elif isinstance(event, ev.StopReached):
             self.stop_reason, self.phase = event.reason, "finishing"
         elif event.kind in ev.CLIENT_END_KINDS:
