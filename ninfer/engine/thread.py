@@ -139,31 +139,35 @@ class EngineThread:
     def _release(self) -> None:
         """Route the events the journal now holds (called after each commit), then tell
         the handles that had one that the batch is complete."""
-        events, self._uncommitted[:] = list(self._uncommitted), []
+        if not self._uncommitted:
+            return
+        events = self._uncommitted[:]
+        self._uncommitted.clear()
         reached = {}
-        for event in events:
-            handle = self._route(event)
-            if handle is not None:
-                reached[handle.id] = handle
+        for handle, event in self._route(events):
+            if event.kind in ("RequestCancelled", "PrefillDetached") \
+                    and handle.cancel_asked is not None:
+                handle.cancel_latency = time.monotonic() - handle.cancel_asked
+                handle.cancel_steps = self.engine.steps - (handle.cancel_step or 0)
+                self._record_cancel(handle.cancel_latency, handle.cancel_steps)
+            self._deliver(handle, event)
+            reached[handle.id] = handle
         self._released(reached.values())
 
-    def _route(self, event: ev.Event) -> Handle | None:  # runs on the engine thread
-        """Deliver `event` to its request's handle; the handle (None: nobody follows it)."""
-        if event.request is None:
-            return None
+    def _route(self, events: list[ev.Event]) -> list[tuple[Handle, ev.Event]]:
+        """Each event with its request's handle, those nobody follows left out; a handle
+        leaves the table with its request's last event for the client. One lock a batch."""
+        routed = []
         with self._lock:
-            handle = self._handles.get(event.request)
-            if handle is not None and event.kind in ev.CLIENT_END_KINDS:
-                del self._handles[event.request]
-        if handle is None:
-            return None
-        if event.kind in ("RequestCancelled", "PrefillDetached") \
-                and handle.cancel_asked is not None:
-            handle.cancel_latency = time.monotonic() - handle.cancel_asked
-            handle.cancel_steps = self.engine.steps - (handle.cancel_step or 0)
-            self._record_cancel(handle.cancel_latency, handle.cancel_steps)
-        self._deliver(handle, event)
-        return handle
+            handles = self._handles
+            for event in events:
+                rid = event.request
+                handle = handles.get(rid) if rid is not None else None
+                if handle is not None:
+                    if event.kind in ev.CLIENT_END_KINDS:
+                        del handles[rid]
+                    routed.append((handle, event))
+        return routed
 
     def _deliver(self, handle: Handle, event: ev.Event) -> None:
         handle.events.put(event)

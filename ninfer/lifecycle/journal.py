@@ -74,6 +74,7 @@ class Journal:
         self._conn = conn
         self._db = sqlite_utils.Database(conn)
         self._reader = JournalReader(conn, path)
+        self._page_size: int | None = None
         self._last_seq = self._reader.last_seq()
 
     @classmethod
@@ -205,7 +206,10 @@ class Journal:
         """Bytes of the database, the WAL's committed pages included."""
         with self._errors("reading its size"):
             pages = self._conn.execute("PRAGMA page_count").fetchone()[0]
-            return pages * self._conn.execute("PRAGMA page_size").fetchone()[0]
+            if self._page_size is None:   # fixed once the file has pages (the engine asks
+                # after every step)
+                self._page_size = self._conn.execute("PRAGMA page_size").fetchone()[0]
+            return pages * self._page_size
 
     @property
     def full(self) -> bool:

@@ -176,12 +176,15 @@ class DetokenizeStream:
         self._tokenizer = tokenizer
         self._skip = tokenizer.special_ids if skip_special_tokens else frozenset()
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._table = tokenizer._bytes   # token_bytes' table, read inline (once per token)
         self.ids: list[int] = []
 
     def push(self, ids: int | Iterable[int]) -> str:
         ids = [ids] if isinstance(ids, int) else list(ids)
         self.ids.extend(ids)
-        data = b"".join(self._tokenizer.token_bytes(i) for i in ids if i not in self._skip)
+        table, skip = self._table, self._skip
+        n = len(table)
+        data = b"".join([table[i] if 0 <= i < n else b"" for i in ids if i not in skip])
         return self._utf8.decode(data)
 
     def finish(self) -> str:

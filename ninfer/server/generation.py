@@ -1,5 +1,5 @@
 """One request's generation as the HTTP side sees it: submit to the engine thread, follow
-its events through an asyncio queue (the event loop never waits on model work), turn tokens
+its events through an inbox (inbox.py; the event loop never waits on model work), turn tokens
 into text, reasoning and tool calls, and cancel at once when asked (client gone, stop
 string, pending timeout)."""
 
@@ -18,6 +18,7 @@ from .bodies import PromptTokensDetails, Timings, Usage
 from .errors import ApiError
 from .handoff import handoff_for
 from .history import Known
+from .inbox import Inbox
 from .parsing import Delta, OutputParser, StopScanner, merged
 
 log = logging.getLogger("ninfer.server")
@@ -62,7 +63,7 @@ class Generation:
         self.boundaries, self.shared_prefix = boundaries, shared_prefix
         self.arrival = arrival if arrival is not None else time.time()
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[ev.Event] = asyncio.Queue()
+        self.queue = Inbox(self.loop)
         self.handoff = handoff_for(self.loop)
         self.detok = server.tokenizer.stream()
         self.hidden_ids = frozenset(params.stop_tokens)
@@ -124,13 +125,7 @@ class Generation:
 
     async def next_event(self, timeout: float | None = None) -> ev.Event | None:
         """The next event, or None on timeout."""
-        if not self.queue.empty():
-            return self.queue.get_nowait()
-        try:  # a timer on this task, not a task of its own as `wait_for` makes
-            async with asyncio.timeout(timeout):
-                return await self.queue.get()
-        except TimeoutError:
-            return None
+        return await self.queue.get(timeout)
 
     async def wait_started(self) -> list[Delta]:
         """Until the request starts (or ends); raises 503 after the pending timeout. Returns
@@ -154,11 +149,7 @@ class Generation:
 
     def absorb(self, event: ev.Event) -> list[Delta]:
         """Update bookkeeping with one event; the text deltas it releases."""
-        if isinstance(event, ev.RequestStarted):
-            self._unpend()
-            self.plan, self.reuse_base, self.phase = event.plan, event.reuse_base, "prefill"
-            self.started_at = self.started_at or event.time
-        elif isinstance(event, ev.TokensCommitted):
+        if isinstance(event, ev.TokensCommitted):  # first: nearly every event is one
             if self.first_at is None:
                 self.first_at = event.time
                 self.phase = "decode"
@@ -179,6 +170,10 @@ class Generation:
                 self.cancel_reason, self.cancel_phase = "stop_string", self.phase
                 self.server.thread.stop_request(self.id)
             return self._parse(text)
+        elif isinstance(event, ev.RequestStarted):
+            self._unpend()
+            self.plan, self.reuse_base, self.phase = event.plan, event.reuse_base, "prefill"
+            self.started_at = self.started_at or event.time
         elif isinstance(event, ev.StopReached):
             self.stop_reason, self.phase = event.reason, "finishing"
         elif event.kind in ev.CLIENT_END_KINDS:

@@ -13,21 +13,23 @@ import threading
 import weakref
 
 from ..lifecycle import events as ev
+from .inbox import Inbox
 
 _HANDOFFS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
 class Handoff:
-    """Puts events into asyncio queues of one loop, from any other thread."""
+    """Puts events into the queues of one loop (a request's `Inbox`, or an asyncio queue),
+    from any other thread."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = weakref.ref(loop)   # the registry's key: held weakly, so it can go
         self._lock = threading.Lock()
-        self._pending: list[tuple[asyncio.Queue, ev.Event]] = []
+        self._pending: list[tuple[Inbox | asyncio.Queue, ev.Event]] = []
         self._waking = False             # a wake-up is on its way and takes what is pending
 
-    def put(self, queue: asyncio.Queue, event: ev.Event) -> None:
+    def put(self, queue: Inbox | asyncio.Queue, event: ev.Event) -> None:
         """`queue.put_nowait(event)` on the loop once released; events keep their order."""
         with self._lock:
             self._pending.append((queue, event))

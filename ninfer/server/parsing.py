@@ -113,6 +113,16 @@ class OutputParser:
 
     def push(self, text: str) -> list[Delta]:
         self.buf += text
+        if "<" not in self.buf and self.mode != "tool":
+            # no tag, nor the start of one (every tag starts with "<"): what `_scan` finds
+            # then, without its searches (most tokens' text)
+            out: list[Delta] = []
+            self._release(out)
+            return out
+        return self._scan()
+
+    def _scan(self) -> list[Delta]:
+        """The deltas the buffer releases: its tags closed, a tail that may start one kept."""
         out: list[Delta] = []
         while True:
             tags = self._tags()
@@ -123,16 +133,19 @@ class OutputParser:
             before, self.buf = self.buf[:at], self.buf[at + len(tag):]
             self._close(before, tag, out)
         if self.mode != "tool":
-            keep = _partial_tail(self.buf, self._tags())
-            # a newline before a (possible) tag may be the template's: </think>, tool call
-            newline_before_tag = self.mode == "reasoning" or (self.mode == "content"
-                                                               and self.tools)
-            if newline_before_tag and self.buf[:len(self.buf) - keep].endswith("\n"):
-                keep += 1
-            ready = self.buf[:len(self.buf) - keep]
-            self.buf = self.buf[len(self.buf) - keep:]
-            self._emit(ready, out)
+            self._release(out, _partial_tail(self.buf, self._tags()))
         return out
+
+    def _release(self, out: list[Delta], keep: int = 0) -> None:
+        """Emit the buffer but its last `keep` characters (a tail that may start a tag) and
+        a newline before them that may be the template's (before </think>, a tool call)."""
+        newline_before_tag = self.mode == "reasoning" or (self.mode == "content"
+                                                           and self.tools)
+        if newline_before_tag and self.buf[:len(self.buf) - keep].endswith("\n"):
+            keep += 1
+        ready = self.buf[:len(self.buf) - keep]
+        self.buf = self.buf[len(self.buf) - keep:]
+        self._emit(ready, out)
 
     def finish(self) -> list[Delta]:
         out: list[Delta] = []

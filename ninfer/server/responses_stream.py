@@ -61,7 +61,7 @@ from .responses_bodies import (
     ToolEcho,
 )
 from .sealed_reasoning import reasoning_span, seal
-from .streaming import StreamShape
+from .streaming import StreamShape, TextEvents
 
 CUSTOM_INPUT = "input"   # the one parameter a custom tool is presented with
 
@@ -95,6 +95,27 @@ class Echo(NamedTuple):
 def event_bytes(event: Body) -> bytes:
     """One SSE event: its type on the `event:` line, its JSON on the `data:` line."""
     return f"event: {event.type}\ndata: {wire(event)}\n\n".encode()
+
+
+class SequencedTextEvents:
+    """`TextEvents` for the Responses API's text deltas, whose events also differ in their
+    `sequence_number`: the item's delta event made once with NUMBER for the number and the
+    mark for the text, split around both, each event's number and text's JSON spliced in
+    (byte for byte what `event_bytes` makes of the body: 0.5 against 7 us a delta)."""
+
+    NUMBER = 7_340_032_000_000_000_001   # a template's number (no stream gets this far)
+    _KEY = '"sequence_number": '
+
+    def __init__(self, template: bytes) -> None:
+        text = TextEvents(template)
+        head, found, mid = text.head.partition(f"{self._KEY}{self.NUMBER}")
+        if not found:
+            raise ValueError("the template holds no sequence number mark")
+        self.head, self.mid, self.tail = head + self._KEY, mid, text.tail
+        self._string = text._string
+
+    def event(self, number: int, text: str) -> bytes:
+        return (self.head + str(number) + self.mid + self._string(text) + self.tail).encode()
 
 
 def error_code(error: ApiError) -> str:
@@ -148,6 +169,7 @@ class _Open:
     def __init__(self, kind: str, index: int, item_id: str) -> None:
         self.kind, self.index, self.id = kind, index, item_id
         self.parts: list[str] = []
+        self.deltas: SequencedTextEvents | None = None   # its text deltas' events
 
 
 def custom_input(arguments: str) -> str:
@@ -188,6 +210,10 @@ class ResponsesShape(StreamShape):
         index = len(self.done)
         item_id = self._item_id("rs" if kind == "reasoning" else "msg", index)
         self.open = _Open(kind, index, item_id)
+        delta = ReasoningTextDelta if kind == "reasoning" else OutputTextDelta
+        self.open.deltas = SequencedTextEvents(event_bytes(delta(
+            sequence_number=SequencedTextEvents.NUMBER, item_id=item_id, output_index=index,
+            content_index=0, delta=TextEvents.MARK)))
         if kind == "reasoning":
             item, part = ReasoningItem(id=item_id, content=[], status="in_progress"), \
                 ReasoningText(text="")
@@ -271,9 +297,7 @@ class ResponsesShape(StreamShape):
             out += self._finish()
             out += self._start(kind)
         self.open.parts.append(d.text)
-        where = {"item_id": self.open.id, "output_index": self.open.index, "content_index": 0}
-        delta = ReasoningTextDelta if kind == "reasoning" else OutputTextDelta
-        return [*out, self._event(delta, delta=d.text, **where)]
+        return [*out, self.open.deltas.event(self.life.next_seq(), d.text)]
 
     def _usage(self) -> ResponseUsage:
         gen = self.gen

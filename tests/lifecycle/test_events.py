@@ -1,4 +1,5 @@
 import dataclasses
+import json
 
 import pytest
 
@@ -70,3 +71,22 @@ def test_events_are_frozen():
 def test_unknown_kind_names_the_seq():
     with pytest.raises(ev.UnknownEventKind, match="seq 17"):
         ev.from_row(17, 0.0, None, None, "RequestTeleported", "{}")
+
+
+# the journal's text, as `json.dumps` with compact separators writes it: non-ASCII escaped,
+# floats (NaN and infinities too) as repr writes them, tuples as lists
+ODD = [
+    ev.RequestFailed(failure="internal", message="é ✓ \"quoted\" \n \u0000 😀"),
+    ev.TokensCommitted(tokens=(7,), frontier=8, logprobs=(
+        {"token": 7, "logprob": -0.1 / 3, "top": [[7, float("-inf")], [3, float("nan")]]},)),
+    ev.ServerStarted(mode=MTP, max_concurrency=2, max_endpoints=8,
+                     options={"ratio": 1e-300, "big": 2**70, "nested": {"b": [1.5, None]}}),
+]
+
+
+@pytest.mark.parametrize("event", SAMPLES + ODD, ids=lambda e: e.kind)
+def test_payload_text_is_json_dumps_compact(event):
+    payload = {n: getattr(event, n) for n in ev._field_names(type(event))}
+    for name in ev._nested(type(event)):
+        payload[name] = dataclasses.asdict(payload[name])
+    assert ev.to_json(event) == json.dumps(payload, separators=(",", ":"))

@@ -120,3 +120,20 @@ def test_history_rerenders_to_the_tokens_the_model_computed(tiny):
                {"role": "tool", "content": "sunny", "tool_call_id": calls[0]["id"]}]
     again = tok.encode(template.render(history, tools=tools, add_generation_prompt=True))
     assert again[:len(prompt) + len(output)] == prompt + output
+
+
+@pytest.mark.parametrize("name,text,kw,expected", CASES, ids=[c[0] for c in CASES])
+def test_push_without_a_tag_in_sight_releases_what_the_full_scan_does(name, text, kw,
+                                                                       expected):
+    """`push` skips the tag searches while no "<" is buffered; each push's own deltas (one
+    stream event's) must be the full scan's, in every split (held newlines included)."""
+    def same(deltas):  # a call's id is random
+        return [(d.kind, d.text, d.call and (d.call.name, d.call.arguments)) for d in deltas]
+
+    for pieces in [*splits(text), list(text + "\n\nmore\n")]:
+        fast, full = OutputParser(**kw), OutputParser(**kw)
+        for piece in pieces:
+            full.buf += piece
+            assert same(fast.push(piece)) == same(full._scan()), pieces
+            assert (fast.buf, fast.mode) == (full.buf, full.mode)
+        assert same(fast.finish()) == same(full.finish())

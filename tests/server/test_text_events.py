@@ -48,3 +48,22 @@ def test_a_messages_delta_is_the_event_its_body_writes():
             body = ThinkingDelta(thinking=text) if kind == "reasoning" else TextDelta(text=text)
             assert got == event(BlockDelta(index=stream.index, delta=body))
     assert stream.index == 2
+
+
+def test_a_responses_delta_is_the_event_its_body_writes():
+    """The Responses API's text and reasoning deltas, across items: the sequence number and
+    the item (id, output index) are in the template, the number spliced in per event."""
+    from ninfer.server.responses_bodies import OutputTextDelta, ReasoningTextDelta
+    from ninfer.server.responses_stream import ResponsesShape, event_bytes
+    server = SimpleNamespace(settings=SimpleNamespace(model_id="m"))
+    stream = ResponsesShape(SimpleNamespace(id="req-1", server=server), echo=None, tools={})
+    seen = set()
+    for kind in ("content", "reasoning"):
+        for text in TEXTS:
+            *_, got = stream.on_delta(Delta(kind, text))
+            body = ReasoningTextDelta if kind == "reasoning" else OutputTextDelta
+            assert got == event_bytes(body(
+                sequence_number=stream.life.seq - 1, item_id=stream.open.id,
+                output_index=stream.open.index, content_index=0, delta=text))
+            seen.add((stream.open.id, stream.life.seq - 1))
+    assert len({item for item, _ in seen}) == 2 and len(seen) == 2 * len(TEXTS)
