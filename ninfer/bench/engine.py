@@ -51,18 +51,25 @@ class Bench:
     def prompt(self, n: int) -> tuple[int, ...]:
         return tuple(self.rng.randrange(self.vocab) for _ in range(n))
 
-    def submit(self, engine: Engine, prompt, max_tokens: int, session: str = "s") -> str:
+    def submit(self, engine: Engine, prompt, max_tokens: int, session: str = "s",
+               boundaries: tuple[int, ...] = ()) -> str:
         self.ids += 1
         rid = f"b{self.ids}"
-        engine.submit(Submit(rid, tuple(prompt), session, "bench", SamplingParams(max_tokens)))
+        engine.submit(Submit(rid, tuple(prompt), session, "bench", SamplingParams(max_tokens),
+                             tuple(boundaries)))
         return rid
 
-    def ttft(self, engine: Engine, prompt, max_tokens: int = 16) -> tuple[float, str]:
-        """Seconds from submit to the first token, then run to the end."""
-        rid = self.submit(engine, prompt, max_tokens)
+    def ttft(self, engine: Engine, prompt, max_tokens: int = 16, boundaries=(),
+             steps: list[float] | None = None) -> tuple[float, str]:
+        """Seconds from submit to the first token (each engine step's ms appended to
+        `steps`, when given), then run to the end."""
+        rid = self.submit(engine, prompt, max_tokens, boundaries=boundaries)
         t0 = time.perf_counter()
         while not engine.requests.get(rid) or not engine.requests[rid].outputs:
+            s0 = time.perf_counter()
             engine.step()
+            if steps is not None:
+                steps.append((time.perf_counter() - s0) * 1e3)
         first = time.perf_counter() - t0
         run_until_idle(engine)
         return first, rid

@@ -21,10 +21,6 @@ from pathlib import Path
 
 import torch
 
-from ..engine.commands import Submit
-from ..engine.engine import run_until_idle
-from ..lifecycle.request import SamplingParams
-
 SIZES = (4096, 16384, 32768)
 MESSAGE = 30
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
@@ -32,20 +28,8 @@ SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
 
 
 def _turn(bench, engine, prompt, boundaries, steps: list[float]) -> tuple[float, str]:
-    """Time to the first token of a request with `boundaries`, each engine step's wall
-    time appended to `steps`; then the request runs to its end."""
-    bench.ids += 1
-    rid = f"p{bench.ids}"
-    engine.submit(Submit(rid, tuple(prompt), "s", "bench", SamplingParams(4),
-                         boundaries=tuple(boundaries)))
-    t0 = time.perf_counter()
-    while not engine.requests.get(rid) or not engine.requests[rid].outputs:
-        s0 = time.perf_counter()
-        engine.step()
-        steps.append((time.perf_counter() - s0) * 1e3)
-    first = time.perf_counter() - t0
-    run_until_idle(engine)
-    return first, rid
+    """`Bench.ttft` of a 4-token request with `boundaries`, its steps' ms in `steps`."""
+    return bench.ttft(engine, prompt, 4, boundaries, steps)
 
 
 def _conversation(bench, engine, n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

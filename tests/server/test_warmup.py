@@ -10,7 +10,7 @@ from ninfer.engine.engine import EngineConfig
 from ninfer.engine.thread import EngineThread
 from ninfer.lifecycle.checks import JournalChecker
 from ninfer.model.graphs import SIZES, WIDTHS, graph_shapes
-from ninfer.server.warmup import TENANT, planned, warm_up
+from ninfer.server.warmup import NEW_TURN, TENANT, planned, warm_up
 from ninfer.sim.harness import Harness
 
 
@@ -37,7 +37,7 @@ def test_the_full_warm_up_runs_each_planned_request_and_leaves_nothing(spec):
     turn = next(e for e in started if e.request.endswith("-its-next-turn"))
     captured = {e.checkpoint.position for e in h.journal.read()
                 if e.kind == "CheckpointCaptured" and e.request == turn.request}
-    assert {turn.reuse_base + 1, turn.reuse_base + 1 + 29 - 3} <= captured
+    assert {turn.reuse_base + 1, turn.reuse_base + 1 + NEW_TURN - 3} <= captured
     assert not [s for s in h.engine.store.endpoints.values() if s.facts.tenant == TENANT]
     JournalChecker().feed_all(h.journal.read())
     h.engine.check_integrity()
