@@ -8,7 +8,9 @@ and each step's wall time) and once more, as a conversation of its own, under to
 the CUDA kernels launched and their device time, the host's synchronisations and copies
 to the host, and the host operations that took the most time of their own. A next turn
 whose wall time is far above its device time is bound by the host. Then a cold prompt of n
-tokens, profiled the same way: the whole prefill, kernel by kernel.
+tokens, profiled the same way: the whole prefill, kernel by kernel. Turn 2 is timed first
+with the delta's forward run eagerly (the model's turn graphs set aside: the baseline), then
+as served (a turn graph's replay, `ninfer.model.turn_graphs`, where the model has them).
 """
 
 from __future__ import annotations
@@ -39,6 +41,20 @@ def _conversation(bench, engine, n: int) -> tuple[tuple[int, ...], tuple[int, ..
     reply = tuple(engine.requests[rid].outputs)
     second = first + reply + bench.prompt(MESSAGE)
     return second, (n, n + len(reply), len(second) - 3)
+
+
+def _timed(bench, engine, n: int) -> dict:
+    """Turn 2 of a conversation of n tokens, three times (the first may compile or capture;
+    the third is the figure): its time to first token, steps and reuse."""
+    row: dict = {}
+    for attempt in range(3):
+        second, bounds = _conversation(bench, engine, n)
+        steps: list[float] = []
+        ttft, rid = _turn(bench, engine, second, bounds, steps)
+        request = engine.requests[rid]
+        row = {"ttft_ms": ttft * 1e3, "steps_ms": [round(s, 3) for s in steps],
+               "reused": request.reuse_base, "prompt": len(second), "attempt": attempt}
+    return row
 
 
 def profiled(run) -> dict:
@@ -80,14 +96,13 @@ def main(json_path: str | None = None, model: str | None = None, device: str = "
                  "sizes": {}}
     for n in [int(s) for s in sizes.split(",") if s] or SIZES:
         engine = bench.engine(max_context=40_000, auto_anchors=2)
-        row: dict = {}
-        for attempt in range(3):  # the first may compile; the third is the figure
-            second, bounds = _conversation(bench, engine, n)
-            steps: list[float] = []
-            ttft, rid = _turn(bench, engine, second, bounds, steps)
-            request = engine.requests[rid]
-            row = {"ttft_ms": ttft * 1e3, "steps_ms": [round(s, 3) for s in steps],
-                   "reused": request.reuse_base, "prompt": len(second), "attempt": attempt}
+        model = engine.model
+        graphs, model.turn_graphs = model.turn_graphs, None
+        eager = _timed(bench, engine, n)  # the baseline: the delta's forward run eagerly
+        model.turn_graphs = graphs
+        row = _timed(bench, engine, n)
+        row["eager"] = eager
+        print(f"turn 2 at {n}, eager forward: {eager['ttft_ms']:.1f} ms", flush=True)
         second, bounds = _conversation(bench, engine, n)
         t0 = time.perf_counter()
         row["profile"] = profiled(lambda s=second, b=bounds, e=engine: _turn(bench, e, s, b, []))

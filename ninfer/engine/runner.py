@@ -215,7 +215,8 @@ class Runner:
         end-1, the logits there (None for a model without logits), and for each position
         in `stops` (inside (start, end), at most `Model.keeps_states_up_to` tokens fed) the
         state there as `capture` takes it."""
-        out = self.model.forward(lane, seq[start:end], start, per_position=bool(stops))
+        out = self.model.forward(lane, seq[start:end], start, per_position=bool(stops),
+                                 reads=[p - start - 1 for p in stops])
         lane.fence = self.model.fence()
         last_hidden = out.hidden[-1] if self.mtp else None
         self.model.accept(lane, out.states[-1], last_hidden)

@@ -79,10 +79,11 @@ def graph_shapes(*, max_context: int, block_size: int, lanes: int, verify_tokens
                  mtp: bool = False) -> dict[str, list[tuple[int, ...]]]:
     """Every graph shape a server of `lanes` lanes and `max_context` positions a lane can
     replay: decode (S, W), verify (S, T, W) for T = 2 .. `verify_tokens` (none below 2),
-    and with `mtp` the MTP head's (T, W) for T = 1 .. `FLAGS.mtp_graph_span` (a draft, a
-    round's catch-up). S runs up to the batch size that holds `lanes`, W up to the width
-    that holds a lane at `max_context` (a block the engine reserves early past it, for a
-    step that never comes, is left to a capture on first use)."""
+    with `mtp` the MTP head's (T, W) for T = 1 .. `FLAGS.mtp_graph_span` (a draft, a
+    round's catch-up), and a next turn's delta (W,) (`turn_graphs`). S runs up to the batch
+    size that holds `lanes`, W up to the width that holds a lane at `max_context` (a block
+    the engine reserves early past it, for a step that never comes, and a delta whose
+    padding reaches past it, are left to a capture on first use)."""
     from .spec_graphs import MAX_TOKENS
     sizes = [s for s in SIZES if s <= bucket(SIZES, lanes)]
     widths = [w for w in WIDTHS if w <= bucket(WIDTHS, -(-max_context // block_size))]
@@ -90,7 +91,8 @@ def graph_shapes(*, max_context: int, block_size: int, lanes: int, verify_tokens
     return {"decode": [(S, W) for S in sizes for W in widths],
             "verify": [(S, T, W) for S in sizes for T in spans for W in widths],
             "mtp": [(T, W) for T in range(1, FLAGS.mtp_graph_span + 1) for W in widths]
-            if mtp and verify_tokens >= 2 else []}
+            if mtp and verify_tokens >= 2 else [],
+            "turn": [(W,) for W in widths]}
 
 
 def warm_and_capture(forward, pool):

@@ -115,8 +115,13 @@ class Model(Protocol):
     keeps_states_up_to: int
 
     def forward(self, lane: Lane, tokens: Sequence[int], start: int,
-                per_position: bool = False) -> Forward:
-        """One lane's `forward_batch` (a prefill chunk unless `per_position`)."""
+                per_position: bool = False, reads: Sequence[int] | None = None) -> Forward:
+        """One lane's `forward_batch` (a prefill chunk unless `per_position`). `reads`,
+        with `per_position`: the indices into `tokens` whose states the caller will pick
+        besides the last (None: any); the model may keep only those (a next turn's delta
+        on the GPU is a CUDA graph that keeps four), and picking another raises
+        `MissingStatePart`. With `reads`, as for a prefill, only the last position's greedy
+        token and logits need be made."""
 
     def forward_batch(self, items: Sequence[ForwardItem], per_position: bool = True,
                       ahead: bool = False, outputs: bool = True) -> list[Forward]:

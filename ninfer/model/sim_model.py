@@ -71,6 +71,23 @@ class _Ahead(NamedTuple):
             for (lane, tokens, start), a in zip(items, self.lanes, strict=True))
 
 
+
+class _Kept(Sequence):
+    """A forward's per-position states of which only `kept` may be picked (`reads`)."""
+
+    def __init__(self, states: list, kept: set[int]) -> None:
+        self.states, self.kept = states, kept
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __getitem__(self, i: int):
+        i = range(len(self.states))[i]
+        if i not in self.kept:
+            raise MissingStatePart(f"the state after position {i} was not kept "
+                                   f"(reads: {sorted(self.kept)})")
+        return self.states[i]
+
 class SimModel:
     dtypes = "sim-int64"
 
@@ -128,8 +145,12 @@ class SimModel:
     # --- the protocol ----------------------------------------------------------------------
 
     def forward(self, lane: Lane, tokens: Sequence[int], start: int,
-                per_position: bool = False) -> Forward:
-        return self.forward_batch([(lane, tokens, start)], per_position)[0]
+                per_position: bool = False, reads: Sequence[int] | None = None) -> Forward:
+        out = self.forward_batch([(lane, tokens, start)], per_position)[0]
+        if per_position and reads is not None:  # as strict as a model that keeps only them
+            return Forward([None] * (len(tokens) - 1) + out.greedy[-1:], out.hidden,
+                           _Kept(out.states, {*reads, len(tokens) - 1}), out.logits)
+        return out
 
     def forward_batch(self, items: Sequence[ForwardItem], per_position: bool = True,
                       ahead: bool = False, outputs: bool = True) -> list[Forward]:

@@ -284,7 +284,8 @@ class ShardedModel:
     # --- the protocol -----------------------------------------------------------------
 
     def forward(self, lane: Lane, tokens: Sequence[int], start: int,
-                per_position: bool = False) -> Forward:
+                per_position: bool = False, reads: Sequence[int] | None = None) -> Forward:
+        # the ranks keep every position's state (no graphs): `reads` narrows nothing
         return self.forward_batch([(lane, tokens, start)], per_position)[0]
 
     def forward_batch(self, items, per_position: bool = True, ahead: bool = False,

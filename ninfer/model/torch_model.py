@@ -144,6 +144,14 @@ class _InPlace(Sequence):
         return self
 
 
+
+def _copy_all(dsts: list[Tensor], srcs: list[Tensor]) -> None:
+    """dsts[i] = srcs[i] for every i: on a GPU a few launches for all of them (a state slot
+    of anchor-1b is 36 tensors; a copy each was ~36 launches of host time per restore and
+    per capture)."""
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
+
 class TorchModel:
     def __init__(self, net: HybridModel, *, num_blocks: int, block_size: int, num_slots: int,
                  identity: str, device: str | torch.device = "cpu",
@@ -187,12 +195,14 @@ class TorchModel:
         self.hidden = self._zeros((num_slots, c.hidden_size))
         self.hidden_valid = [False] * num_slots
         self._launched = self._completed = 0
-        self.graphs = self.verify_graphs = self.mtp_graphs = None
+        self.graphs = self.verify_graphs = self.mtp_graphs = self.turn_graphs = None
         if graphs:
             from .graphs import DecodeGraphs
             from .spec_graphs import MtpGraphs, VerifyGraphs
+            from .turn_graphs import TurnGraphs
             self.graphs = DecodeGraphs(self)
             self.verify_graphs = VerifyGraphs(self, self.graphs.pool)
+            self.turn_graphs = TurnGraphs(self, self.graphs.pool)
             if net.has_mtp:
                 self.mtp_graphs = MtpGraphs(self, self.graphs.pool)
 
@@ -234,13 +244,14 @@ class TorchModel:
         return HybridState(gdn, PagedKV(self.kv_k, self.kv_v, self.block_size, tables, length))
 
     def forward(self, lane: Lane, tokens: Sequence[int], start: int,
-                per_position: bool = False) -> Forward:
-        return self.forward_batch([(lane, tokens, start)], per_position)[0]
+                per_position: bool = False, reads: Sequence[int] | None = None) -> Forward:
+        return self.forward_batch([(lane, tokens, start)], per_position, reads=reads)[0]
 
     @torch.inference_mode()
     def forward_batch(self, items: Sequence[tuple[Lane, Sequence[int], int]],
                       per_position: bool = True, ahead: bool = False,
-                      outputs: bool = True) -> list[Forward]:
+                      outputs: bool = True, reads: Sequence[int] | None = None,
+                      ) -> list[Forward]:
         """Several lanes' forwards; lanes feeding the same number of tokens share one batched
         call (decode and verify rounds of equal length). `per_position` keeps the recurrent
         state after every position (a verify's rollback is then a pick); a prefill keeps only
@@ -248,7 +259,8 @@ class TorchModel:
         its greedy token next if the lane goes on, so a one-token graph step launches the
         next step before returning (`DecodeGraphs.run`). `outputs` false: the caller reads
         only the greedy tokens, so a graph step may leave logits and hidden states out
-        (None)."""
+        (None). `reads` (one item): see `Model.forward`; a next turn's delta of 9 .. 32
+        tokens is then a graph replay (`turn_graphs`)."""
         results: list[Forward | None] = [None] * len(items)
         groups: dict[int, list[int]] = {}
         for index, (_, tokens, _) in enumerate(items):
@@ -269,10 +281,18 @@ class TorchModel:
                 continue
             starts = [items[m][2] for m in members]
             keep = per_position and 1 < n <= VERIFY_STATES_UP_TO  # one token: its end is it
-            # a prefill (not per position) reads only its last position's greedy token
-            # and logits: the others are not made (None)
-            last = not per_position and n > 1
+            # a prefill (not per position, or per position with `reads`: a next turn's
+            # delta) reads only its last position's greedy token and logits: the others are
+            # not made (None)
+            last = n > 1 and (not per_position or reads is not None)
             self._launched += 1
+            if keep and self.turn_graphs is not None \
+                    and self.turn_graphs.fits(lanes, n, starts[0], reads):
+                greedy, logits, hidden, kept = self.turn_graphs.run(
+                    lanes[0], items[members[0]][1], starts[0], reads)
+                results[members[0]] = Forward([None] * (n - 1) + [greedy], hidden, kept,
+                                              logits[None])
+                continue
             if keep and self.verify_graphs is not None and self.verify_graphs.fits(lanes, n):
                 out = self.verify_graphs.run(lanes, [list(items[m][1]) for m in members],
                                              starts)
@@ -298,6 +318,7 @@ class TorchModel:
         out, row, i = state
         self._writing(lane.slot)
         at = self._at(lane.slot)
+        dsts, srcs = [], []
         for layer in self.conv:
             if out.states is not None:
                 conv, rec = out.states[layer].conv[row, i], out.states[layer].recurrent[row, i]
@@ -306,8 +327,9 @@ class TorchModel:
                 if isinstance(gdn, SlotGDNState):
                     continue  # a one-token step on the GPU updated the slot in place
                 conv, rec = gdn.conv[row], gdn.recurrent[row]
-            self.conv[layer][at] = conv
-            self.recurrent[layer][at] = rec
+            dsts += (self.conv[layer][at], self.recurrent[layer][at])
+            srcs += (conv, rec)
+        _copy_all(dsts, srcs)
         self._set_hidden(lane.slot, hidden)
 
     def _set_hidden(self, slot: int, hidden: Tensor | None) -> None:
@@ -317,9 +339,9 @@ class TorchModel:
 
     def init_slot(self, lane: Lane) -> None:
         self._writing(lane.slot)
-        for layer in self.conv:
-            self.conv[layer][self._at(lane.slot)] = 0
-            self.recurrent[layer][self._at(lane.slot)] = 0
+        at = self._at(lane.slot)
+        torch._foreach_zero_([t[at] for pool in (self.conv, self.recurrent)
+                              for t in pool.values()])
         self.hidden_valid[lane.slot] = False
 
     def load_hidden(self, slot: int) -> Tensor | None:
@@ -360,17 +382,16 @@ class TorchModel:
     def copy_slot(self, src: int, dst: int) -> None:
         self._launched += 1
         self._writing(dst)
-        for layer in self.conv:
-            self.conv[layer][self._at(dst)] = self.conv[layer][self._at(src)]
-            self.recurrent[layer][self._at(dst)] = self.recurrent[layer][self._at(src)]
+        pools = [t for pool in (self.conv, self.recurrent) for t in pool.values()]
+        _copy_all([t[self._at(dst)] for t in pools], [t[self._at(src)] for t in pools])
         self.hidden[dst] = self.hidden[src]
         self.hidden_valid[dst] = self.hidden_valid[src]
 
     def copy_block(self, src: int, dst: int, n: int) -> None:
         self._launched += 1
-        for store in (self.kv_k, self.kv_v, self.mtp_k, self.mtp_v):
-            for t in store.values():
-                t[dst, :n] = t[src, :n]
+        stores = [t for store in (self.kv_k, self.kv_v, self.mtp_k, self.mtp_v)
+                  for t in store.values()]
+        _copy_all([t[dst, :n] for t in stores], [t[src, :n] for t in stores])
 
     def _positions(self, store: dict[int, Tensor], blocks: list[int], n: int) -> dict:
         """Entries [0, n) of each layer's block storage: [n, Hkv, D] copies."""
@@ -429,7 +450,8 @@ class TorchModel:
         of that shape (the warm-up: `ninfer.server.warmup`): decode graphs of every batch
         size up to `lanes` and block-table width up to `max_context`'s; with
         `verify_tokens` (a round's drafts + 1; 0: no speculation) the verify graphs of 2 ..
-        that many tokens, and the MTP graphs when the net has the head. A report (the graphs
+        that many tokens, and the MTP graphs when the net has the head; a next turn's (one
+        per width, `turn_graphs`). A report (the graphs
         of each kind held afterwards, those a request had captured already among them; the
         seconds and memory the rest took), None without graphs."""
         if self.graphs is None:
@@ -442,7 +464,7 @@ class TorchModel:
         shapes = graph_shapes(max_context=max_context, block_size=self.block_size,
                               lanes=lanes, verify_tokens=verify_tokens,
                               mtp=self.mtp_graphs is not None)
-        counts = {"decode": 0, "verify": 0, "mtp": 0}
+        counts = {"decode": 0, "verify": 0, "mtp": 0, "turn": 0}
         with torch.inference_mode():
             for S, W in shapes["decode"]:
                 if (S, W) not in self.graphs.graphs:
@@ -456,6 +478,10 @@ class TorchModel:
                 if (T, W) not in self.mtp_graphs.graphs:
                     self.mtp_graphs._capture(T, W)
                 counts["mtp"] += 1
+            for (W,) in shapes["turn"]:
+                if W not in self.turn_graphs.graphs:
+                    self.turn_graphs._capture(W)
+                counts["turn"] += 1
         torch.cuda.synchronize(self.device)
         return {**counts, "count": sum(counts.values()),
                 "seconds": time.perf_counter() - began,

@@ -14,8 +14,9 @@ Two parts, both on the engine thread, timed and logged:
   a decode run once. Whatever a request still meets for the first time after ready is
   logged (`kernels.compiles`);
 - CUDA graphs (`TorchModel.capture_graphs`): every decode graph (batch sizes up to
-  --max-concurrency, block-table widths up to --max-context's), and with `--spec mtp` every
-  verify and MTP graph, captured now instead of on a request's first step of that shape.
+  --max-concurrency, block-table widths up to --max-context's), a next turn's delta's at
+  each width, and with `--spec mtp` every verify and MTP graph, captured now instead of on
+  a request's first step of that shape.
 
 What the warm-up publishes is evicted. Triton keeps its compiled kernels on disk
 (`TRITON_CACHE_DIR`, default ~/.triton/cache), so a second start compiles nothing.
@@ -164,7 +165,7 @@ def warm_up(server, *, verify_tokens: int = 0, full: bool | None = None) -> Warm
     log.info("warm-up: %d requests (%d from a stored state) in %.1f s%s; %.1f s in all",
              report.requests, report.reused, report.requests_s,
              "" if not g else f"; {g['count']} CUDA graphs ({g['decode']} decode, "
-             f"{g['verify']} verify, {g['mtp']} MTP) held, those not yet captured taking "
-             f"{g['seconds']:.1f} s, "
+             f"{g['verify']} verify, {g['mtp']} MTP, {g['turn']} next-turn) held, those "
+             f"not yet captured taking {g['seconds']:.1f} s, "
              f"graph memory {g['memory_bytes'] / 2**20:,.0f} MiB", report.total_s)
     return report

@@ -20,9 +20,9 @@ class Forwards:
         self.seen: list[tuple[int, bool]] = []
         inner = model.forward_batch
 
-        def forward_batch(items, per_position=True, ahead=False, outputs=True):
+        def forward_batch(items, per_position=True, ahead=False, outputs=True, **reads):
             self.seen.extend((len(tokens), per_position) for _, tokens, _ in items)
-            return inner(items, per_position, ahead, outputs)
+            return inner(items, per_position, ahead, outputs, **reads)
         model.forward_batch = forward_batch
 
 

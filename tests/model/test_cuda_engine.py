@@ -42,7 +42,7 @@ def _factory(graphs: bool):
         model = TorchModel(net, num_blocks=num_blocks, block_size=block_size,
                            num_slots=num_slots, identity="tiny-cuda", device="cuda")
         if not graphs:
-            model.graphs = model.verify_graphs = model.mtp_graphs = None
+            model.graphs = model.verify_graphs = model.mtp_graphs = model.turn_graphs = None
         return model
     return make
 
@@ -79,7 +79,7 @@ def test_an_anchored_next_turn_on_cuda_is_one_forward_and_its_anchors_exact(spec
     """A served next turn's short delta (the reply's end and the message's end inside it)
     in one forward keeping its states; a branch restored from the message's anchor equals
     the reference (check_reuse: every restored part equals a recomputation)."""
-    h = Harness(EngineConfig(spec=spec, prefill_chunk=8, auto_anchors=2, check_reuse=True),
+    h = Harness(EngineConfig(spec=spec, prefill_chunk=64, auto_anchors=2, check_reuse=True),
                 model_factory=_factory(True))
     first = h.submit(PROMPT, "s", max_tokens=6, boundaries=(len(PROMPT),))
     h.run()
@@ -93,6 +93,7 @@ def test_an_anchored_next_turn_on_cuda_is_one_forward_and_its_anchors_exact(spec
     h.run()
     h.check()
     assert h.request(second).plan.kind == "PrivateEndpoint"
+    assert h.engine.model.turn_graphs.graphs, "the delta did not go through a turn graph"
     assert (h.request(third).plan.kind, h.request(third).plan.reuse_base) == (
         "PrivateAnchor", bounds[-1])
     ref, gaps = reference(branch, 6, tiny_net(torch.float32))

@@ -70,7 +70,9 @@ def test_graph_shapes_cover_the_lanes_and_the_context():
     assert {t for _, t, _ in shapes["verify"]} == {2, 3, 4}
     assert len(shapes["verify"]) == 3 * 3 * len(widths)
     assert {t for t, _ in shapes["mtp"]} >= {1, 2, 3, 4}
+    assert shapes["turn"] == [(w,) for w in sorted(widths)]   # with or without speculation
     plain = graph_shapes(max_context=100, block_size=16, lanes=SIZES[-1] + 5)
     assert plain["verify"] == plain["mtp"] == []
+    assert plain["turn"] == [(WIDTHS[0],)]
     assert {s for s, _ in plain["decode"]} == set(SIZES)   # lanes past the largest: all
     assert {w for _, w in plain["decode"]} == {WIDTHS[0]}
