@@ -71,7 +71,6 @@ class _Ahead(NamedTuple):
             for (lane, tokens, start), a in zip(items, self.lanes, strict=True))
 
 
-
 class _Kept(Sequence):
     """A forward's per-position states of which only `kept` may be picked (`reads`)."""
 
@@ -87,6 +86,7 @@ class _Kept(Sequence):
             raise MissingStatePart(f"the state after position {i} was not kept "
                                    f"(reads: {sorted(self.kept)})")
         return self.states[i]
+
 
 class SimModel:
     dtypes = "sim-int64"

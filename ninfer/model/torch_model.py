@@ -144,13 +144,13 @@ class _InPlace(Sequence):
         return self
 
 
-
 def _copy_all(dsts: list[Tensor], srcs: list[Tensor]) -> None:
-    """dsts[i] = srcs[i] for every i: on a GPU a few launches for all of them (a state slot
-    of anchor-1b is 36 tensors; a copy each was ~36 launches of host time per restore and
-    per capture)."""
+    """dsts[i] = srcs[i] for every i, in a few launches on a GPU: a state slot of anchor-1b
+    is 36 tensors, and a `copy_` each was 36 launches of host time per restore, per capture
+    and per accept."""
     if dsts:
         torch._foreach_copy_(dsts, srcs)
+
 
 class TorchModel:
     def __init__(self, net: HybridModel, *, num_blocks: int, block_size: int, num_slots: int,
