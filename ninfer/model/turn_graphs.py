@@ -4,7 +4,7 @@ where the engine captures anchors, and its last position).
 
 A served next turn sends back the reply and a new message: some 10 to 32 tokens the engine
 feeds in one per-position forward (`Model.keeps_states_up_to`). Eager, that forward on
-anchor-1b is ~950 kernel launches: on the H100, 19.3 ms of host time for ~5 ms of GPU work
+anchor-1b is ~950 kernel launches: on the H100, 19.3 ms of wall time for a few ms of GPU work
 (`bench/results/turn-profile-h100.json`). The verify graphs (`spec_graphs`) take 2 .. 8
 tokens, one graph per length; here every length above theirs is padded to `TOKENS`, so one
 graph per block-table width serves them all. On one H200 the time to first token of such a
