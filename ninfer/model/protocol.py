@@ -8,13 +8,31 @@ import it."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 
 class MissingStatePart(RuntimeError):
     """A forward read a state part that was never written: a stale reuse."""
+
+
+class KeptOnly(Sequence):
+    """A forward's per-position states of which only those at `kept` may be picked (what a
+    forward with `reads` keeps: `Model.forward`); picking another raises MissingStatePart."""
+
+    def __init__(self, states: Sequence[Any], kept: Collection[int]) -> None:
+        self.states, self.kept = states, kept
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __getitem__(self, i: int) -> Any:
+        i = range(len(self.states))[i]
+        if i not in self.kept:
+            raise MissingStatePart(f"the state after position {i} was not kept "
+                                   f"(kept: {sorted(self.kept)})")
+        return self.states[i]
 
 
 class ModelLost(RuntimeError):

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from .protocol import Forward, ForwardItem, Lane, MissingStatePart, MtpOut, Parts
+from .protocol import Forward, ForwardItem, KeptOnly, Lane, MissingStatePart, MtpOut, Parts
 
 MASK = (1 << 61) - 1
 CONV = 4
@@ -69,23 +69,6 @@ class _Ahead(NamedTuple):
             and start == a.start and lane.attn_blocks[:len(a.blocks)] == a.blocks
             and slots[lane.slot] == a.state
             for (lane, tokens, start), a in zip(items, self.lanes, strict=True))
-
-
-class _Kept(Sequence):
-    """A forward's per-position states of which only `kept` may be picked (`reads`)."""
-
-    def __init__(self, states: list, kept: set[int]) -> None:
-        self.states, self.kept = states, kept
-
-    def __len__(self) -> int:
-        return len(self.states)
-
-    def __getitem__(self, i: int):
-        i = range(len(self.states))[i]
-        if i not in self.kept:
-            raise MissingStatePart(f"the state after position {i} was not kept "
-                                   f"(reads: {sorted(self.kept)})")
-        return self.states[i]
 
 
 class SimModel:
@@ -149,7 +132,7 @@ class SimModel:
         out = self.forward_batch([(lane, tokens, start)], per_position)[0]
         if per_position and reads is not None:  # as strict as a model that keeps only them
             return Forward([None] * (len(tokens) - 1) + out.greedy[-1:], out.hidden,
-                           _Kept(out.states, {*reads, len(tokens) - 1}), out.logits)
+                           KeptOnly(out.states, {*reads, len(tokens) - 1}), out.logits)
         return out
 
     def forward_batch(self, items: Sequence[ForwardItem], per_position: bool = True,

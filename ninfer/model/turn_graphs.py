@@ -39,7 +39,7 @@ from torch import Tensor
 from .gdn import GDNState, SlotGDNState
 from .graphs import WIDTHS, bucket, warm_and_capture
 from .hybrid import ForwardOutput, HybridState
-from .protocol import MissingStatePart
+from .protocol import KeptOnly
 from .spec_graphs import MAX_TOKENS
 
 TOKENS = 32   # a delta of MAX_TOKENS + 1 .. TOKENS tokens is padded to this many
@@ -55,25 +55,6 @@ class _Captured:
     logits: Tensor        # [V] at the last real position
     hidden: Tensor        # [1, TOKENS, D]
     states: dict[int, GDNState]   # [1, PICKS, ...] per GDN layer
-
-
-class KeptStates(Sequence):
-    """The states a turn graph kept, by the delta's position: `accept` takes
-    (holder, 0, column), as it takes a per-position forward's (out, row, index)."""
-
-    def __init__(self, states: dict[int, GDNState], columns: dict[int, int], n: int) -> None:
-        self.holder = ForwardOutput(None, None, None, states)  # type: ignore[arg-type]
-        self.columns, self.n = columns, n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> tuple[ForwardOutput, int, int]:
-        i = range(self.n)[i]
-        if i not in self.columns:
-            raise MissingStatePart(f"the state after position {i} of a next turn's forward "
-                                   f"was not kept (kept: {sorted(self.columns)})")
-        return self.holder, 0, self.columns[i]
 
 
 class TurnGraphs:
@@ -95,7 +76,7 @@ class TurnGraphs:
             and len(set(reads) - {n - 1}) < PICKS and self.width(lanes[0], start) <= WIDTHS[-1]
 
     def run(self, lane, tokens: Sequence[int], start: int, reads: Sequence[int],
-            ) -> tuple[int, Tensor, Tensor, KeptStates]:
+            ) -> tuple[int, Tensor, Tensor, KeptOnly]:
         """The forward of `tokens` at start..: the greedy token and logits [V] at its last
         position, the hidden states [n, D] (copies), and the states after its last
         position and after each of `reads`."""
@@ -114,8 +95,13 @@ class TurnGraphs:
         cap.inputs.copy_(cap.staging, non_blocking=True)
         cap.graph.replay()
         logits = cap.logits.clone()
+        # what `accept` takes: (holder, row 0, column), as (out, row, index) of a forward
+        holder = ForwardOutput(None, None, None, cap.states)  # type: ignore[arg-type]
+        states: list = [None] * n
+        for column, position in enumerate(picks):
+            states[position] = (holder, 0, column)
         return (int(logits.argmax()), logits, cap.hidden[0, :n].clone(),
-                KeptStates(cap.states, {p: c for c, p in enumerate(picks)}, n))
+                KeptOnly(states, set(picks)))
 
     def _capture(self, W: int) -> _Captured:
         m, net, T = self.model, self.model.net, TOKENS

@@ -13,10 +13,10 @@ import torch
 
 from ninfer.model.gdn import GDNState
 from ninfer.model.graphs import WIDTHS
-from ninfer.model.protocol import Lane, MissingStatePart
+from ninfer.model.protocol import KeptOnly, Lane, MissingStatePart
 from ninfer.model.spec_graphs import MAX_TOKENS
 from ninfer.model.torch_model import PagedKV, TorchModel
-from ninfer.model.turn_graphs import PICKS, TOKENS, KeptStates, TurnGraphs, turn_forward
+from ninfer.model.turn_graphs import PICKS, TOKENS, TurnGraphs, turn_forward
 
 from .nets import tiny_net
 
@@ -66,11 +66,13 @@ def test_the_padded_forward_gives_the_unpadded_ones_outputs_at_its_positions():
 
 
 def test_only_the_kept_states_can_be_picked():
-    states = {0: GDNState(torch.arange(PICKS)[None, :, None], torch.arange(PICKS)[None])}
-    kept = KeptStates(states, {20: 0, 9: 1, 15: 2}, 21)
-    holder, row, column = kept[-1]
-    assert (row, column) == (0, 0) and holder.states is states
-    assert kept[9][2] == 1 and kept[15][2] == 2 and len(kept) == 21
+    # what a turn graph returns for a forward of 21 positions that kept 20 (its end), 9, 15
+    entries = [None] * 21
+    for column, position in enumerate((20, 9, 15)):
+        entries[position] = ("holder", 0, column)
+    kept = KeptOnly(entries, {20, 9, 15})
+    assert kept[-1] == ("holder", 0, 0) and len(kept) == 21
+    assert kept[9][2] == 1 and kept[15][2] == 2
     with pytest.raises(MissingStatePart, match="position 10"):
         kept[10]
     with pytest.raises(IndexError):
