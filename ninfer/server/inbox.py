@@ -5,7 +5,9 @@ An `asyncio.Queue` with an `asyncio.timeout` around each wait cost a timer per t
 `TimerHandle` pushed on the loop's heap and cancelled again at every event. The inbox keeps
 one timer per request instead, re-armed lazily: a wait that ends with an event leaves it
 armed, and when it fires before the current wait's deadline it is armed again for the rest.
-A wait still ends with None exactly at its deadline, as `asyncio.timeout` ends it."""
+A wait still ends with None exactly at its deadline, as `asyncio.timeout` ends it. The
+timer's time is kept here: uvloop's handles have no `when()` (only asyncio's TimerHandle
+has), and uvicorn runs on uvloop wherever it is installed."""
 
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ class Inbox:
         self._items: deque = deque()
         self._waiter: asyncio.Future | None = None
         self._deadline: float | None = None       # the current wait's (None: no timeout)
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.Handle | None = None
+        self._timer_at = 0.0                      # the loop time the timer fires at
 
     def put_nowait(self, item: Any) -> None:
         self._items.append(item)
@@ -51,7 +54,7 @@ class Inbox:
         waiter = self._waiter = loop.create_future()
         if timeout is not None:
             self._deadline = loop.time() + timeout
-            if self._timer is None or self._timer.when() > self._deadline:
+            if self._timer is None or self._timer_at > self._deadline:
                 self._arm(self._deadline)
         try:
             await waiter
@@ -62,10 +65,10 @@ class Inbox:
     def _arm(self, when: float) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._timer = self._loop.call_at(when, self._fired)
+        self._timer, self._timer_at = self._loop.call_at(when, self._fired), when
 
     def _fired(self) -> None:
-        when, self._timer = self._timer.when(), None
+        when, self._timer = self._timer_at, None
         waiter, deadline = self._waiter, self._deadline
         if waiter is None or waiter.done() or deadline is None:
             return          # no wait (or one without a timeout): the next wait arms anew
