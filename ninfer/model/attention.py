@@ -172,18 +172,18 @@ class GatedAttention(nn.Module):
         """One lane's T consecutive positions ending at the last of keys / values' L (a
         prefill chunk; every caller's positions are consecutive), on the GPU in bf16 /
         fp16: SDPA with the causal mask aligned to the bottom right (query i sees keys up
-        to L - T + i), which its flash and memory-efficient kernels take without a mask
-        tensor (not yet timed on the H200), the KV heads repeated for the query heads. In
-        float32 (the rest of `_attend`) SDPA has no flash kernel and takes its math path:
-        ~15 of the 52 ms of GPU time of a 4K prefill of anchor-1b on the H200
-        (bench/NOTES.md)."""
+        to L - T + i), which its flash kernel takes without a mask tensor, and with the KV
+        heads shared by their query heads inside the kernel (`enable_gqa`): repeating
+        them for the query heads copied the whole prefix per chunk and layer, 22 of the
+        239 ms of device time of a 32K prefill of anchor-1b on the H200 (bench/NOTES.md).
+        In float32 (the rest of `_attend`) SDPA has no flash kernel and takes its math
+        path."""
         from torch.nn.attention.bias import causal_lower_right
         B, T, H, D = q.shape
         L = keys.shape[1]
         k_, v_ = (t.transpose(1, 2) for t in (keys, values))  # [1, Hkv, L, D]
-        if H != self.num_kv_heads:
-            k_, v_ = (t.repeat_interleave(H // self.num_kv_heads, dim=1) for t in (k_, v_))
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k_, v_,
                                              attn_mask=causal_lower_right(T, L),
-                                             scale=D ** -0.5)
+                                             scale=D ** -0.5,
+                                             enable_gqa=H != self.num_kv_heads)
         return out.transpose(1, 2)  # [1, T, H, D]

@@ -231,7 +231,7 @@ def test_model_without_mtp_refuses_mtp_forward():
 
 def test_a_prefill_chunk_in_half_precision_attends_as_the_float32_path():
     """`_prefill_chunk` (a bf16 / fp16 prefill chunk on the GPU) in bf16, here on the CPU:
-    the KV heads repeated for the query heads and the causal mask aligned to the chunk's
+    the KV heads shared by their query heads and the causal mask aligned to the chunk's
     end give what the float32 path (SDPA with a mask by position, GQA) makes of the same
     inputs, within bf16's rounding; its queries see the keys before the chunk, and a
     mask aligned to the top left would not."""
