@@ -27,7 +27,7 @@ class CompileWatch:
     def ready(self) -> None:
         self._ready = True
 
-    def hook(self, *, repr: str = "", fn=None, **_) -> None:   # noqa: A002 (Triton's name)
+    def hook(self, *, repr: str = "", fn=None, **kw) -> None:   # noqa: A002 (Triton's name)
         """Triton's `jit_cache_hook`: called on a specialisation's first launch in this
         process (None: go on and compile or load it)."""
         name = getattr(fn, "name", "?")
@@ -35,9 +35,32 @@ class CompileWatch:
             if not self._ready:
                 self.before_ready += 1
                 return None
-            self.after_ready.append(f"{name}: {repr}")
+            shape = describe(name, kw) or repr
+            self.after_ready.append(f"{name}: {shape}")
         log.warning("kernel %s met a new specialisation after ready (the warm-up missed "
-                    "this shape; this request waits for it): %s", name, repr)
+                    "this shape; this request waits for it): %s", name, shape)
+        return None
+
+
+def describe(name: str, kw: dict) -> str | None:
+    """A specialisation from the hook's `signature`, `constants` and `configs`: each
+    argument's type, its value where it is a constant, and "%16" where Triton took it
+    as a multiple of 16 (an integer) or 16-byte aligned (a pointer). (Triton 3.6's own
+    `repr` pairs the arguments with the characters of its cache key: "k: (" and no more.)
+    None where the hook's arguments are not of that form."""
+    try:
+        attrs = (kw.get("configs") or [{}])[0] or {}
+        constants = kw.get("constants") or {}
+        parts = []
+        for i, (arg, ty) in enumerate(kw["signature"].items()):
+            if (i,) in constants:
+                parts.append(f"{arg}={constants[(i,)]}")
+                continue
+            marks = attrs.get((i,), ())
+            aligned = any("divisib" in str(mark[0]) for mark in marks)
+            parts.append(f"{arg}: {ty}{' %16' if aligned else ''}")
+        return f"{name}({', '.join(parts)})"
+    except (KeyError, TypeError, IndexError, AttributeError):
         return None
 
 
