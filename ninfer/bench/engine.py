@@ -30,6 +30,8 @@ TARGETS = {"turn2_ratio_16k": ("<=", 0.013), "turn2_ratio_4k": ("<=", 0.038),
 class Bench:
     def __init__(self, path: str | None, device: str, dtype: str, ranks=None) -> None:
         """`ranks` (`ninfer.model.ranks.launch`): the model sharded over them."""
+        from ..server.serve import default_prefill_chunk
+        self.chunk = default_prefill_chunk(device) if device != "cpu" else 2048  # the server's
         self.om = open_model(path, device=device, dtype=dtype, kv_capacity=80_000,
                              num_slots=48, ranks=ranks)
         self.vocab = min(self.om.files.config.vocab_size, self.om.tokenizer.vocab_size)
@@ -42,7 +44,7 @@ class Bench:
         om = self.om  # fresh bookkeeping over the same storage: every block and slot free
         blocks = BlockPool(om.blocks.num_blocks, om.blocks.block_size)
         slots = SlotPool(om.slots.num_slots)
-        config = EngineConfig(**{"max_context": 40_000, "prefill_chunk": 2048,
+        config = EngineConfig(**{"max_context": 40_000, "prefill_chunk": self.chunk,
                                  "max_endpoints": 64, **kw})
         engine = Engine(om.model, config, blocks=blocks, slots=slots)
         engine.recover()

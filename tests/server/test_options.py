@@ -17,7 +17,7 @@ def test_prefill_chunk_and_dtype_default_to_the_device_and_explicit_ones_win(tmp
     # a GPU forward's host time does not grow with its tokens: bigger chunks there; and its
     # decode kernels are tuned for bf16
     assert default_prefill_chunk("cpu") == 512
-    assert default_prefill_chunk("cuda") == default_prefill_chunk("cuda:1") == 2048
+    assert default_prefill_chunk("cuda") == default_prefill_chunk("cuda:1") == 8192
     assert default_dtype("cpu") == "float32"
     assert default_dtype("cuda") == default_dtype("cuda:1") == "bfloat16"
     for argv, chunk, dtype in (([], 512, torch.float32),
