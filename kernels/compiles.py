@@ -43,11 +43,12 @@ class CompileWatch:
 
 
 def describe(name: str, kw: dict) -> str | None:
-    """A specialisation from the hook's `signature`, `constants` and `configs`: each
-    argument's type, its value where it is a constant, and "%16" where Triton took it
-    as a multiple of 16 (an integer) or 16-byte aligned (a pointer). (Triton 3.6's own
-    `repr` pairs the arguments with the characters of its cache key: "k: (" and no more.)
-    None where the hook's arguments are not of that form."""
+    """A specialisation from the `signature`, `constants` and `configs` that Triton passes
+    the hook in its `compile` argument: each argument's type, its value where it is a
+    constant, and "%16" where Triton took it as a multiple of 16 (an integer) or 16-byte
+    aligned (a pointer). (Triton 3.6's own `repr` pairs the arguments with the characters
+    of its cache key: "k: (" and no more.) None where the arguments are not of that form."""
+    kw = kw.get("compile") or kw
     try:
         attrs = (kw.get("configs") or [{}])[0] or {}
         constants = kw.get("constants") or {}

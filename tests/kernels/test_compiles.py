@@ -32,7 +32,8 @@ def test_watch_installs_itself_as_the_cache_hook():
 def test_a_late_specialisation_is_described_by_its_arguments(caplog):
     """Triton's own repr lists the arguments against the characters of its cache key; the
     log names each argument, its constant value, and which Triton took as multiples of 16
-    or 16-byte aligned, from the hook's signature, constants and configs."""
+    or 16-byte aligned, from the signature, constants and configs of the hook's `compile`
+    (the keywords of Triton 3.6's `JITFunction._call_hook`)."""
     w = CompileWatch()
     w.ready()
     fn = type("Info", (), {"name": "_solve_kernel"})()
@@ -40,7 +41,9 @@ def test_a_late_specialisation_is_described_by_its_arguments(caplog):
     configs = [{(0,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]}]
     with caplog.at_level(logging.WARNING, logger="ninfer.kernels"):
         w.hook(key="[('*bf16', 'D')]", repr="_solve_kernel[num_warps=2](k: (", fn=fn,
-               signature=signature, constants={(3,): 64}, configs=configs)
+               compile={"key": "[('*bf16', 'D')]", "signature": signature,
+                        "constants": {(3,): 64}, "configs": configs},
+               is_manual_warmup=False, already_compiled=False)
     assert w.after_ready == ["_solve_kernel: _solve_kernel(k: *bf16 %16, beta: *bf16, "
                              "T: i32 %16, BT=64)"]
     assert "beta: *bf16," in caplog.text
