@@ -6,7 +6,8 @@ Two parts, both on the engine thread, timed and logged:
 - requests (`planned`), each through the whole engine: a prompt of one whole prefill
   chunk and an unaligned rest, its next turn (a restore, then a delta prefill at an
   unaligned position), a one-token next turn, a half chunk and next turns of a few tokens
-  (with the message boundaries a served next turn has: one forward keeping its states),
+  (each with the message boundaries a served chat request has, where its prefill stops:
+  a first turn's message end; a next turn's two, in one forward keeping its states),
   short prompts alone and prefilled together, a sampled request. Triton specialises a
   kernel on its constexprs (tile sizes that follow a length's power of two) and its integer
   arguments (one, a multiple of 16, anything else): these lengths and offsets compile the
@@ -50,15 +51,20 @@ class Planned:
     tokens: int
     after: str | None = None
     sampled: bool = False
-    anchored: bool = True   # a next turn with the boundaries a served one has (`bounds`)
+    anchored: bool = True   # with the boundaries a served chat request has (`bounds`)
 
     def bounds(self, head: int) -> tuple[int, ...]:
-        """A next turn's message boundaries after `head` tokens, as the server sends them:
-        the reply's end and the new message's end (a generation prompt of 3 tokens
-        after it), so its delta is one forward that keeps its positions' states (another
-        specialisation than a plain prefill's)."""
-        if not self.after or not self.anchored:
+        """The message boundaries a served chat request has after `head` tokens of earlier
+        turns: a first turn's message end (the generation prompt, 3 tokens, after it); a
+        next turn's reply end and new message end, so its delta is one forward that keeps
+        its positions' states (another specialisation than a plain prefill's). A prefill
+        stops at each, so a served 1,024-token prompt runs 1,021 tokens then 3: the GPU
+        run of stop 41 met the GDN and attention kernels' specialisations for those after
+        ready, when the warm-up's first turns had no boundaries."""
+        if not self.anchored:
             return ()
+        if not self.after:
+            return (self.prompt - 3,) if self.prompt > 4 else ()
         return (head,) + ((head + self.prompt - 3,) if self.prompt > 4 else ())
 
 
@@ -78,7 +84,7 @@ def planned(chunk: int, max_context: int) -> list[list[Planned]]:
             [Planned("half-chunk", second, 4)],
             [Planned("its-next-turn", NEW_TURN, 4, after="half-chunk")],
             *([Planned(f"turn-of-{n}", n, 2, after=after)] for n, after in turns),
-            [Planned("one-tile", 64, 4)],
+            [Planned("one-tile", 64, 4, anchored=False)],   # (a completion: no messages)
             [Planned("aligned", 48, 6), Planned("short", 5, 6), Planned("odd", 100, 6)],
             [Planned("sampled", 21, 4, sampled=True)]]
 

@@ -38,6 +38,14 @@ def test_the_full_warm_up_runs_each_planned_request_and_leaves_nothing(spec):
     captured = {e.checkpoint.position for e in h.journal.read()
                 if e.kind == "CheckpointCaptured" and e.request == turn.request}
     assert {turn.reuse_base + 1, turn.reuse_base + 1 + NEW_TURN - 3} <= captured
+    # a first turn's too, as a served chat request's: its message's end (its prefill stops
+    # there, the shapes a served prompt's kernels meet); a completion's none
+    def captures(name: str) -> set[int]:
+        rid = next(e.request for e in started if e.request.endswith(f"-{name}"))
+        return {e.checkpoint.position for e in h.journal.read()
+                if e.kind == "CheckpointCaptured" and e.request == rid}
+    assert 16 - 3 in captures("half-chunk")   # planned(32, 512): a half chunk of 16
+    assert 64 - 3 not in captures("one-tile")
     assert not [s for s in h.engine.store.endpoints.values() if s.facts.tenant == TENANT]
     JournalChecker().feed_all(h.journal.read())
     h.engine.check_integrity()
