@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -269,6 +270,21 @@ def _decode_gap(args: argparse.Namespace) -> float:
     return 0.0 if _on_gpu(args.device) else 3.0
 
 
+def process_started() -> float:
+    """This process's start, in seconds since the epoch (Linux: /proc; elsewhere this
+    module's import)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text()
+                    .splitlines() if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORTED
+
+
+_IMPORTED = time.time()
+
+
 def load(args: argparse.Namespace) -> Loaded:
     """Model, journal, engine (recovered) and its running thread."""
     import torch
@@ -285,9 +301,12 @@ def load(args: argparse.Namespace) -> Loaded:
         from ..model.runtime import launch_ranks
         ranks = launch_ranks(args.tensor_parallel, timeout=args.tp_timeout,
                              threads=args.torch_threads, device=args.device)
+    began = time.monotonic()
     om = open_model(args.model, dtype=dtype, device=args.device,
                     kv_capacity=args.kv_capacity, num_slots=state_slots(args),
                     mtp=args.spec == "mtp", ranks=ranks)
+    log.info("model loaded in %.1f s (%.1f s since the process started)",
+             time.monotonic() - began, time.time() - process_started())
     if args.spec != "none" and om.model.graphs is not None:
         log.warning("--spec %s on %s: verifies and drafts replay CUDA graphs, but a verify "
                     "of 4 positions costs ~2.6 plain steps and only rounds without drafts "
@@ -402,7 +421,9 @@ def build(args: argparse.Namespace):
             if recalled:
                 log.info("recalled %d conversations from durable endpoints", recalled)
             server.ready = True
-            log.info("ready: %s on %s:%s", server.settings.model_id, args.host, args.port)
+            log.info("ready: %s on %s:%s, %.1f s since the process started",
+                     server.settings.model_id, args.host, args.port,
+                     time.time() - process_started())
         except JournalError as exc:   # a journal in use, damaged, foreign: said in full
             log.critical("loading failed: %s", exc)
             server.failed = True

@@ -80,3 +80,13 @@ def test_lanes_reach_the_largest_graph_batch_and_slots_follow_them(capsys):
     assert "between 1 and 64" in capsys.readouterr().err
     short = _args("--max-concurrency", "32", "--state-slots", "32")
     assert "--state-slots 64" in check_slots(short)
+
+
+def test_the_process_start_is_read_before_now_and_after_boot():
+    """`process_started` (the start-up log's "since the process started") reads this
+    process's start: a moment before now and, on Linux, before this module ran."""
+    import time
+
+    from ninfer.server.serve import _IMPORTED, process_started
+    started = process_started()
+    assert started <= _IMPORTED + 1e-3 and time.time() - started < 24 * 3600
