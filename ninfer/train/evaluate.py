@@ -13,7 +13,9 @@ modules, greedy, without constrained decoding.
 - tools: of the held-out tool prompts, the share whose reply holds a well-formed call
   (`<tool_call>` JSON with a name and an arguments object, closed) to a listed tool, with
   arguments that validate against its schema: every required parameter, no parameter the
-  schema does not list, each of its JSON type. Also the share calling the requested tool.
+  schema does not list, each of its JSON type. Also the share calling the requested tool,
+  each reply's outcome (no call, an unlisted or another tool, bad arguments) and the share
+  by how many tools are listed and whether the request names the function.
 - drafting: held-out code continuations (raw text, no chat template) decoded at batch 1 by
   the engine, as served: tokens per verify with `--spec mtp` at draft lengths 1, 2, 3 and
   with n-gram drafting at 3, each length fixed (what the drafter is worth: every round
@@ -230,20 +232,51 @@ def tool_share(om: OpenModel, items: Sequence[ex.Example], *, concurrency: int =
     replies = generate(om, _prompt_ids(om, items), max_tokens=max_tokens,
                        concurrency=concurrency, progress=progress)
     valid = right = formed = 0
+    outcomes: dict[str, int] = {}
+    groups: dict[str, list[int]] = {}   # a group's [valid, prompts]
     for item, reply in zip(items, replies, strict=True):
-        call = first_call(reply.text)
-        if call is None:
-            continue
-        formed += 1
-        tools = {t["function"]["name"]: t["function"]["parameters"] for t in item.tools or []}
-        if call.name in tools and validates(call.arguments, tools[call.name]):
-            valid += 1
-            right += call.name == json.loads(item.reference)["name"]
+        outcome = tool_outcome(item, first_call(reply.text))
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        formed += outcome != "no_call"
+        valid += outcome in ("valid", "valid_other_tool")
+        right += outcome == "valid"
+        for group in tool_groups(item):
+            counts = groups.setdefault(group, [0, 0])
+            counts[0] += outcome in ("valid", "valid_other_tool")
+            counts[1] += 1
     n = max(len(items), 1)
     return {"prompts": len(items), "well_formed": formed, "valid": valid,
             "share": valid / n, "requested_tool_share": right / n,
+            "outcomes": dict(sorted(outcomes.items())),
+            "share_by_group": {g: {"prompts": c[1], "share": c[0] / c[1]}
+                               for g, c in sorted(groups.items())},
             "examples": [{"request": items[i].messages[-1]["content"], "reply": replies[i].text}
                          for i in range(min(3, len(items)))]}
+
+
+def tool_outcome(item: ex.Example, call: Call | None) -> str:
+    """What a reply did with a tool prompt: no_call (no well-formed call), unlisted_tool
+    (a name not among the tools), other_tool (another listed tool, its arguments not
+    valid for it), bad_arguments (the requested tool, arguments not valid), valid (the
+    requested tool, valid), valid_other_tool (another listed tool with valid arguments:
+    counted valid, as the figure's definition says)."""
+    if call is None:
+        return "no_call"
+    tools = {t["function"]["name"]: t["function"]["parameters"] for t in item.tools or []}
+    if call.name not in tools:
+        return "unlisted_tool"
+    requested = call.name == json.loads(item.reference)["name"]
+    if validates(call.arguments, tools[call.name]):
+        return "valid" if requested else "valid_other_tool"
+    return "bad_arguments" if requested else "other_tool"
+
+
+def tool_groups(item: ex.Example) -> tuple[str, str]:
+    """The groups a tool prompt falls in: how many tools are listed, and whether the
+    request names the function or only says what it does."""
+    name = json.loads(item.reference)["name"]
+    asks = "names_it" if name in item.messages[-1]["content"] else "describes_it"
+    return f"tools_listed_{len(item.tools or [])}", asks
 
 
 # --- drafting --------------------------------------------------------------------------------

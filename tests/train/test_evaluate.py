@@ -50,6 +50,33 @@ def test_a_call_is_well_formed_only_between_its_tags_as_an_object(reply, call):
     assert evaluate.first_call(reply) == call
 
 
+def _tool_item(request: str):
+    from ninfer.train.examples import Example
+    tools = [{"type": "function", "function": {"name": n, "parameters": SCHEMA}}
+             for n in ("fill", "wrap")]
+    return Example("tools", [{"role": "user", "content": request}], tools,
+                   '{"name": "fill", "arguments": {"text": "a"}}')
+
+
+@pytest.mark.parametrize("call, outcome", [
+    (None, "no_call"),
+    (evaluate.Call("fill", {"text": "b"}), "valid"),
+    (evaluate.Call("wrap", {"text": "b"}), "valid_other_tool"),
+    (evaluate.Call("wrap", {"depth": 1}), "other_tool"),
+    (evaluate.Call("fill", {"width": 1}), "bad_arguments"),
+    (evaluate.Call("heappushpop", {"text": "b"}), "unlisted_tool"),
+])
+def test_each_tool_reply_has_one_outcome(call, outcome):
+    assert evaluate.tool_outcome(_tool_item("Please call fill."), call) == outcome
+
+
+def test_tool_prompts_are_grouped_by_tools_listed_and_whether_the_request_names_it():
+    assert evaluate.tool_groups(_tool_item("Please call fill with text.")) == (
+        "tools_listed_2", "names_it")
+    assert evaluate.tool_groups(_tool_item("Fill a paragraph.")) == (
+        "tools_listed_2", "describes_it")
+
+
 def test_an_answer_counts_when_python_parses_it():
     assert evaluate.parses("def f(x):\n    return x\n")
     assert evaluate.parses("\n\ndef f():\n    pass")
