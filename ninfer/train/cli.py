@@ -26,6 +26,7 @@ an MTP head) learnt from this machine's Python standard library.
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the three subcommands to `parser` (`ninfer train`, or `python -m ninfer.train`)."""
+    from .corpus import MADE_UP_NAMES
     from .recipe import TrainSettings
     defaults = TrainSettings()
     sub = parser.add_subparsers(dest="train_command", required=True)
@@ -43,6 +44,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the share of tool examples whose functions and parameters get "
                              "made-up names, so a call is right only when its names are "
                              "copied from the tools listed (default 0: the recipe's)")
+    corpus.add_argument("--made-up-names", choices=MADE_UP_NAMES, default="syllables",
+                        help="how made-up tool and parameter names are made: syllables "
+                             "(\"kuba_lo\") or words, real names' parts recombined "
+                             "(\"month_lines\": a familiar-looking name must still be "
+                             "copied, not finished as the model would; default syllables)")
     corpus.add_argument("--tool-examples", type=int, default=None, metavar="N",
                         help="tool conversations per function usable as a tool (default 6: "
                              "the recipe's)")
@@ -124,6 +130,7 @@ def _corpus(args: argparse.Namespace) -> int:
     out = build(args.out, modules=modules, seed=args.seed,
                 vocab_size=args.vocab_size or VOCAB_SIZE, made_up_tools=args.made_up_tools,
                 tool_examples=args.tool_examples or TOOL_EXAMPLES_PER_FUNCTION,
+                made_up_names=args.made_up_names,
                 progress=lambda stage: print(stage, file=sys.stderr, flush=True))
     corpus = Corpus.open(out)
     print(json.dumps({"corpus": str(out), "sha256": corpus.sha256,

@@ -52,6 +52,7 @@ TOOL_EXAMPLES_PER_FUNCTION = 6
 # real names alone the model can learn the training functions' names by heart). Not yet in
 # the recipe: the shipped model was trained without it (bench/NOTES.md, stop 37)
 MADE_UP_TOOLS = 0.0
+MADE_UP_NAMES = ("syllables", "words")   # how they are made (`--made-up-names`)
 FILES = ("tokenizer.json", "train.bin", "heldout.bin", "heldout.json")
 
 
@@ -98,11 +99,15 @@ def _continuation(text: str) -> str:
 
 def build(out_dir: str | Path, *, modules: Sequence[str] | None = None, seed: int = 0,
           vocab_size: int = VOCAB_SIZE, made_up_tools: float = MADE_UP_TOOLS,
-          tool_examples: int = TOOL_EXAMPLES_PER_FUNCTION, root: Path | None = None,
+          tool_examples: int = TOOL_EXAMPLES_PER_FUNCTION, made_up_names: str = "syllables",
+          root: Path | None = None,
           progress: Callable[[str], None] = lambda _: None) -> Path:
     """Build the corpus into `out_dir` (absent or empty). `modules`: only these top-level
     stdlib modules (a slice, for tests, with a smaller `vocab_size`); `root`: another stdlib
-    folder. `progress` is told each stage as it starts."""
+    folder. `made_up_names`: "syllables" or "words" (real names' parts recombined,
+    `examples.renamed`). `progress` is told each stage as it starts."""
+    if made_up_names not in MADE_UP_NAMES:
+        raise CorpusError(f"made-up names: one of {', '.join(MADE_UP_NAMES)}")
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out}: not empty")
@@ -121,7 +126,9 @@ def build(out_dir: str | Path, *, modules: Sequence[str] | None = None, seed: in
     pool = [fn for fn in train_fns if ex.usable_as_tool(fn)]
     chats += ex.tool_examples(pool, tool_examples * len(pool), rng,
                               made_up=made_up_tools,
-                              naming=random.Random(f"made-up names {seed}")) if pool else []
+                              naming=random.Random(f"made-up names {seed}"),
+                              pieces=ex.name_pieces(pool) if made_up_names == "words"
+                              else None) if pool else []
     documents = [f.text for f in train_files] + [ex.render(template, c) for c in chats]
     rng.shuffle(documents)
     eval_docstrings, eval_tools = _eval_items(held_fns, rng)
@@ -155,6 +162,8 @@ def build(out_dir: str | Path, *, modules: Sequence[str] | None = None, seed: in
         "rules": {"excluded_folders": sorted(EXCLUDED_FOLDERS), "generated_mark": GENERATED_MARK,
                   "held_out_modules": list(HELD_OUT), "modules": list(modules or []) or None,
                   **({"made_up_tools": made_up_tools} if made_up_tools else {}),
+                  **({"made_up_names": made_up_names} if made_up_names != "syllables"
+                     else {}),
                   **({"tool_examples_per_function": tool_examples}
                      if tool_examples != TOOL_EXAMPLES_PER_FUNCTION else {})},
         "seed": seed,

@@ -219,27 +219,46 @@ def tool_example(target: Function, others: Sequence[Function], rng: random.Rando
     return Example("tools", messages, tools, call)
 
 
-def _made_identifier(rng: random.Random, words: int) -> str:
+def _made_identifier(rng: random.Random, words: int,
+                     pieces: Sequence[str] | None = None) -> str:
+    """`words` parts joined by "_": made-up syllables, or with `pieces` real identifiers'
+    parts (joined with "_" or nothing), so the name looks like one a model has read."""
+    if pieces:
+        return rng.choice(("_", "")).join(rng.choice(pieces) for _ in range(words))
     return "_".join("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3)))
                     for _ in range(words))
 
 
-def renamed(functions: Sequence[Function], rng: random.Random) -> list[Function]:
+def name_pieces(functions: Sequence[Function]) -> tuple[str, ...]:
+    """The parts of the functions' and their parameters' names (split at "_"), each
+    once, sorted: what `renamed` recombines with `pieces`."""
+    names = {fn.name for fn in functions} | {p.name for fn in functions for p in fn.params}
+    return tuple(sorted({part for name in names for part in name.split("_") if part}))
+
+
+def renamed(functions: Sequence[Function], rng: random.Random,
+            pieces: Sequence[str] | None = None) -> list[Function]:
     """The functions with made-up names, and parameters of made-up names (distinct within
     each, and the functions' names distinct): what they do (the docstring) and their
     parameters' types kept. A call to one is right only if its names were copied from the
-    tools listed: no name learnt by heart helps."""
+    tools listed: no name learnt by heart helps. With `pieces` (`name_pieces`) the names
+    recombine real names' parts ("month_lines", "getquota"), where the language's prior
+    for how a familiar name goes on is wrong: made-up syllables never tempt a model to
+    finish a name its own way, which is how the trained model miscopied real ones
+    ("monthdayscalendar" as "monthdayscalm", bench/NOTES.md, stop 41). A recombined name
+    that is one of these functions' real names is drawn on."""
+    real = {fn.name for fn in functions} | {p.name for fn in functions for p in fn.params}
     out, taken = [], set()
     for fn in functions:
-        name = _made_identifier(rng, rng.randint(1, 2))
-        while name in taken:
-            name += rng.choice(_SYLLABLES)
+        name = _made_identifier(rng, rng.randint(1, 2) if not pieces else 2, pieces)
+        while name in taken or (pieces and name in real):
+            name += rng.choice(_SYLLABLES) if not pieces else "_" + rng.choice(pieces)
         taken.add(name)
         params, used = [], set()
         for p in fn.params:
-            pname = _made_identifier(rng, 1)
-            while pname in used:
-                pname += rng.choice(_SYLLABLES)
+            pname = _made_identifier(rng, 1, pieces)
+            while pname in used or (pieces and pname in real):
+                pname += rng.choice(_SYLLABLES) if not pieces else "_" + rng.choice(pieces)
             used.add(pname)
             params.append(p._replace(name=pname))
         out.append(fn._replace(name=name, qualname=name, params=tuple(params)))
@@ -248,12 +267,14 @@ def renamed(functions: Sequence[Function], rng: random.Random) -> list[Function]
 
 def tool_examples(pool: Sequence[Function], count: int, rng: random.Random,
                   *, complete: bool = True, made_up: float = 0.0,
-                  naming: random.Random | None = None) -> list[Example]:
+                  naming: random.Random | None = None,
+                  pieces: Sequence[str] | None = None) -> list[Example]:
     """`count` tool conversations over `pool`: each function in turn as the target (the
     pool shuffled, then cycled), with up to three other functions of distinct names; in a
-    share `made_up` of them every listed function is `renamed`. Which ones, and their new
-    names, are drawn from `naming` (default: seeded with 0), never from `rng`: the other
-    draws, the held-out prompts' after them included, are those of `made_up` 0."""
+    share `made_up` of them every listed function is `renamed` (from `pieces` when given).
+    Which ones, and their new names, are drawn from `naming` (default: seeded with 0),
+    never from `rng`: the other draws, the held-out prompts' after them included, are
+    those of `made_up` 0."""
     naming = naming or random.Random(0)
     order = list(pool)
     rng.shuffle(order)
@@ -266,6 +287,6 @@ def tool_examples(pool: Sequence[Function], count: int, rng: random.Random,
                 others.append(other)
                 names.add(other.name)
         if made_up and naming.random() < made_up:
-            target, *others = renamed([target, *others], naming)
+            target, *others = renamed([target, *others], naming, pieces)
         out.append(tool_example(target, others, rng, complete=complete))
     return out

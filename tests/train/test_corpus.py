@@ -191,3 +191,43 @@ def test_no_made_up_tools_draws_what_corpora_before_them_drew():
     some = ex.tool_examples(pool, 40, rng, made_up=0.5)
     assert some != plain
     assert rng.random() == after  # the renaming draws from its own: what follows is alike
+
+
+def test_made_up_names_from_words_recombine_real_names_parts_and_copy_as_listed():
+    """With `pieces`, a renamed function's name is two parts of real names (joined by "_"
+    or not) and each parameter's one part or more, none one of the functions' real names;
+    the call names what is listed."""
+    files = scan(modules=("json", "textwrap", "shlex"))
+    pool = [fn for f in files for fn in functions(f) if ex.usable_as_tool(fn)]
+    pieces = ex.name_pieces(pool)
+    assert "dedent" in pieces and "split" in pieces and "" not in pieces
+
+    def made_of_pieces(name: str) -> bool:   # pieces joined by "_" or nothing, 2 or more
+        ends = {0: 0}                        # end of a prefix -> pieces in it
+        for i in range(len(name) + 1):
+            if i in ends:
+                at = i + (name[i:i + 1] == "_" and i > 0)
+                for piece in pieces:
+                    if name.startswith(piece, at):
+                        ends[at + len(piece)] = max(ends.get(at + len(piece), 0), ends[i] + 1)
+        return ends.get(len(name), 0) >= 2
+    real = {fn.name for fn in pool} | {p.name for fn in pool for p in fn.params}
+    for seed in range(20):
+        rng = random.Random(seed)
+        chosen = rng.sample(pool, 4)
+        renamed = ex.renamed(chosen, rng, pieces)
+        own = {fn.name for fn in chosen} | {p.name for fn in chosen for p in fn.params}
+        assert len({fn.name for fn in renamed}) == 4
+        for old, new in zip(chosen, renamed, strict=True):
+            assert new.name not in own and new.docstring == old.docstring
+            assert made_of_pieces(new.name), new.name
+            assert len({p.name for p in new.params}) == len(new.params)
+            assert all(p.name.split("_")[0] in pieces for p in new.params)
+            assert not {p.name for p in new.params} & own
+    made = ex.tool_examples(pool, 30, random.Random(1), made_up=1.0, pieces=pieces)
+    assert any(not set(t["function"]["name"] for t in c.tools) <= real for c in made)
+    for chat in made:
+        listed = {t["function"]["name"]: t["function"]["parameters"] for t in chat.tools}
+        call = json.loads(chat.reference)
+        assert call["name"] in listed
+        assert set(call["arguments"]) <= set(listed[call["name"]]["properties"])
