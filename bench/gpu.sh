@@ -4,7 +4,8 @@
 # /tmp/site (never the project's pins), then runs the kernel tests on real shapes and the
 # benchmarks, writing JSON results to $OUT (or bench/results/ when OUT is unset).
 #
-#   bench/gpu.sh [kernels] [engine] [baseline] [skinny] [gdn-sweep] [profile] [turn-profile] [serve]
+#   bench/gpu.sh [kernels] [engine] [baseline] [skinny] [gdn-sweep] [profile] [turn-profile]
+#                [prefill] [serve]
 #                (default: the first three)
 #
 # Wheels to carry in .whl/ (pip download --no-deps for CPython 3.12 manylinux x86_64 on a
@@ -50,6 +51,9 @@ for stage in $stages; do
         ;;
     turn-profile)  # the next turn inside the engine: steps, kernels, syncs, host ops
         python3 -m ninfer.bench.turn_profile "$OUT/turn-profile-$(python3 -c "from ninfer.bench.serve_outside import card_name; print(card_name('cuda'))").json" || status=1
+        ;;
+    prefill)  # a cold prefill's TTFT at chunk sizes, against transformers + fla (fla-core wheel)
+        python3 -m ninfer.bench.gpu_prefill "$OUT/prefill-chunks-$(python3 -c "from ninfer.bench.serve_outside import card_name; print(card_name('cuda'))").json" || status=1
         ;;
     profile)  # kernel by kernel: the decode graphs (with and without PDL), the prefill
         python3 -m ninfer.bench.profile "$OUT/profile-h200.json" || status=1
