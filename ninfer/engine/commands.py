@@ -31,8 +31,15 @@ class EngineConfig:
     # sized from measured step times so a decoding client waits at most this many decode
     # steps between tokens (pacing.py); 0: every prefilling lane takes a whole chunk a step
     decode_gap: float = 0.0
+    # > 0: with a decode gap, a prompt of more than this many tokens is paced beside
+    # decoding lanes, in chunks of at least this many (0: more than one prefill chunk, in
+    # chunks of 16 or more). A GPU's: a forward costs ~20 ms of host time at any length, so
+    # a smaller chunk only slows the prefill, and a bigger one stalls the streams longer
+    paced_from: int = 0
 
     def __post_init__(self) -> None:
+        if self.paced_from < 0 or self.paced_from > self.prefill_chunk:
+            raise ValueError("paced_from must be 0 .. prefill_chunk")
         if self.endpoints_per_session < 1:  # 0 is what older journals record: "one, replaced"
             raise ValueError("endpoints_per_session must be at least 1")
 

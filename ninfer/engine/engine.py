@@ -87,6 +87,7 @@ class Engine:
         self._cp_ids = itertools.count(1)
         self.steps = 0
         self.pacing = PrefillPacing(config.decode_gap, config.prefill_chunk,
+                                    smallest=config.paced_from or 16,
                                     clock=time.perf_counter) if config.decode_gap else None
 
     @property
@@ -352,9 +353,11 @@ class Engine:
     # --- lane work ---------------------------------------------------------------------
 
     def _long_prompt(self, request: Request) -> bool:
-        """More to prefill than one chunk (from where its plan started it)."""
+        """More to prefill than one chunk, or than `paced_from` where set (from where its
+        plan started it)."""
         base = request.plan.reuse_base if request.plan is not None else 0
-        return request.prefill_goal - base > self.config.prefill_chunk
+        return request.prefill_goal - base > (self.config.paced_from
+                                              or self.config.prefill_chunk)
 
     def _prefill_step(self, live: Live, limit: int | None = None) -> None:
         """One prefill chunk of `live`, of at most `limit` prompt tokens (None: a whole

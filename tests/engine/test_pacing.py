@@ -113,3 +113,37 @@ def test_the_chunk_beside_decoding_lanes_settles_where_its_time_meets_the_target
 def test_a_gap_of_one_step_or_less_is_refused():
     with pytest.raises(ValueError):
         PrefillPacing(1.0, 512, clock=Clock())
+
+
+def test_paced_from_paces_prompts_past_it_in_chunks_of_it_and_leaves_a_lone_prompt_whole():
+    """`paced_from` (a GPU's 2048, here 32 against a chunk of 128): beside a decoding lane,
+    a prompt of more than 32 tokens prefills 32 a step (a clock that never moves would
+    shrink a chunk below 32), not a whole chunk of 128; alone, a prompt takes whole
+    chunks."""
+    def chunks(decoding: bool, length: int = 300) -> list[int]:
+        engine = make_sim_engine(EngineConfig(max_concurrency=2, prefill_chunk=128,
+                                              max_context=1024, decode_gap=3.0,
+                                              paced_from=32), num_blocks=512)
+        engine.pacing.clock = lambda: 0.0
+        if decoding:
+            engine.submit(Submit("decoder", tuple(range(10, 20)), None, "t",
+                                 SamplingParams(max_tokens=400)))
+            for _ in range(3):
+                engine.step()
+        engine.submit(Submit("long", tuple(i % 90 + 3 for i in range(length)), None, "t",
+                             SamplingParams(max_tokens=2)))
+        cursors = [0]
+        for _ in range(100):
+            cursors += [e.cursor for e in engine.step()
+                        if e.kind == "PrefillAdvanced" and e.request == "long"]
+            if engine.requests["long"].state not in ("Queued", "Prefilling"):
+                break
+        return [b - a for a, b in zip(cursors[:-1], cursors[1:], strict=True)]
+
+    beside, alone = chunks(True), chunks(False)
+    assert max(beside) == 32 and len(beside) >= 9
+    assert max(alone) == 128 and len(alone) <= 3
+    # a prompt past 32 but within one chunk is paced too
+    assert max(chunks(True, 100)) == 32 and chunks(False, 100) == [100]
+    with pytest.raises(ValueError):
+        EngineConfig(prefill_chunk=64, paced_from=65)

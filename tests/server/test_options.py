@@ -54,12 +54,16 @@ def test_model_aliases_reasoning_budget_and_claude_names_reach_the_settings():
         _args("--model-alias", "no-equals-sign")
 
 
-def test_decode_gap_defaults_to_the_device_and_refuses_a_gap_that_paces_nothing(capsys):
+def test_decode_gap_defaults_to_3_and_refuses_a_gap_that_paces_nothing(capsys):
     import pytest
 
-    from ninfer.server.serve import _decode_gap
+    from ninfer.server.serve import _decode_gap, _paced_from
+    # a GPU paces prompts over 2048 tokens in chunks of 2048 or more; the CPU from one chunk
+    assert _paced_from(_args("--device", "cuda"), 8192) == 2048
+    assert _paced_from(_args("--device", "cuda"), 1024) == 1024
+    assert _paced_from(_args(), 512) == 0
     assert _decode_gap(_args()) == 3.0
-    assert _decode_gap(_args("--device", "cuda")) == 0.0
+    assert _decode_gap(_args("--device", "cuda")) == 3.0
     assert _decode_gap(_args("--decode-gap", "0")) == 0.0
     assert _decode_gap(_args("--decode-gap", "2.5", "--device", "cuda")) == 2.5
     for bad in ("0.5", "1", "-2"):
