@@ -58,14 +58,24 @@ def test_unpaced_prefills_run_side_by_side():  # the rule above is the pacing's 
 def test_a_long_prompt_beside_a_decoding_lane_takes_chunks_of_the_pacings_size():
     """The size PrefillPacing chose is the chunk the engine runs (a clock that never moves
     keeps it at its smallest, 16, against the engine's chunk of 64)."""
-    engine = make_sim_engine(EngineConfig(max_concurrency=2, prefill_chunk=64, max_context=512,
-                                          decode_gap=3.0), num_blocks=512)
+    config = EngineConfig(max_concurrency=2, prefill_chunk=64, max_context=512,
+                          decode_gap=3.0)
+    steps, engine = _chunks_of_a_long_prompt(config, 200, decoding=True)
+    assert engine.requests["decoder"].state == "Active" and sum(steps) >= 199
+    assert len(steps) >= 12 and max(steps) <= engine.pacing.size == 16
+
+
+def _chunks_of_a_long_prompt(config: EngineConfig, length: int, *, decoding: bool):
+    """The tokens each prefill step took of a `length`-token prompt (beside a decoding lane
+    when `decoding`), with a pacing clock that never moves; and the engine."""
+    engine = make_sim_engine(config, num_blocks=512)
     engine.pacing.clock = lambda: 0.0
-    engine.submit(Submit("decoder", tuple(range(10, 20)), None, "t",
-                         SamplingParams(max_tokens=200)))
-    for _ in range(3):
-        engine.step()
-    engine.submit(Submit("long", tuple(i % 90 + 3 for i in range(200)), None, "t",
+    if decoding:
+        engine.submit(Submit("decoder", tuple(range(10, 20)), None, "t",
+                             SamplingParams(max_tokens=400)))
+        for _ in range(3):
+            engine.step()
+    engine.submit(Submit("long", tuple(i % 90 + 3 for i in range(length)), None, "t",
                          SamplingParams(max_tokens=2)))
     cursors = [0]
     for _ in range(100):
@@ -73,9 +83,7 @@ def test_a_long_prompt_beside_a_decoding_lane_takes_chunks_of_the_pacings_size()
                     if e.kind == "PrefillAdvanced" and e.request == "long"]
         if engine.requests["long"].state not in ("Queued", "Prefilling"):
             break
-    assert engine.requests["decoder"].state == "Active" and cursors[-1] >= 199
-    steps = [b - a for a, b in zip(cursors[:-1], cursors[1:], strict=True)]
-    assert len(steps) >= 12 and max(steps) <= engine.pacing.size == 16
+    return [b - a for a, b in zip(cursors[:-1], cursors[1:], strict=True)], engine
 
 
 class Clock:
@@ -121,24 +129,9 @@ def test_paced_from_paces_prompts_past_it_in_chunks_of_it_and_leaves_a_lone_prom
     shrink a chunk below 32), not a whole chunk of 128; alone, a prompt takes whole
     chunks."""
     def chunks(decoding: bool, length: int = 300) -> list[int]:
-        engine = make_sim_engine(EngineConfig(max_concurrency=2, prefill_chunk=128,
-                                              max_context=1024, decode_gap=3.0,
-                                              paced_from=32), num_blocks=512)
-        engine.pacing.clock = lambda: 0.0
-        if decoding:
-            engine.submit(Submit("decoder", tuple(range(10, 20)), None, "t",
-                                 SamplingParams(max_tokens=400)))
-            for _ in range(3):
-                engine.step()
-        engine.submit(Submit("long", tuple(i % 90 + 3 for i in range(length)), None, "t",
-                             SamplingParams(max_tokens=2)))
-        cursors = [0]
-        for _ in range(100):
-            cursors += [e.cursor for e in engine.step()
-                        if e.kind == "PrefillAdvanced" and e.request == "long"]
-            if engine.requests["long"].state not in ("Queued", "Prefilling"):
-                break
-        return [b - a for a, b in zip(cursors[:-1], cursors[1:], strict=True)]
+        config = EngineConfig(max_concurrency=2, prefill_chunk=128, max_context=1024,
+                              decode_gap=3.0, paced_from=32)
+        return _chunks_of_a_long_prompt(config, length, decoding=decoding)[0]
 
     beside, alone = chunks(True), chunks(False)
     assert max(beside) == 32 and len(beside) >= 9
