@@ -157,4 +157,4 @@ def test_a_cuda_run_reports_against_the_issue_goals(results, tmp_path, monkeypat
     options = seen["options"]
     assert options[options.index("--device") + 1] == "cuda"
     assert options[options.index("--dtype") + 1] == "bfloat16"
-    assert options[options.index("--prefill-chunk") + 1] == "2048"
+    assert options[options.index("--prefill-chunk") + 1] == "8192"   # the GPU default
