@@ -75,6 +75,7 @@ def planned(chunk: int, max_context: int) -> list[list[Planned]]:
     Each prompt must fit `max_context` with its output (one that does not is left out)."""
     first = min(chunk + UNALIGNED, max(1, max_context // 2 - 16))
     second = min(chunk // 2, max(1, max_context // 4))
+    quarter = min(max(chunk // 4, 1), max(1, max_context // 8))
     # a few new tokens, each in a tile size class of its own (the conv's power of two up
     # to 64; the attention's row block of 16 below 5)
     turns = [(2, "its-next-turn"), (3, "turn-of-2"), (12, "turn-of-3"), (16, "turn-of-12")]
@@ -84,7 +85,10 @@ def planned(chunk: int, max_context: int) -> list[list[Planned]]:
             [Planned("half-chunk", second, 4)],
             [Planned("its-next-turn", NEW_TURN, 4, after="half-chunk")],
             *([Planned(f"turn-of-{n}", n, 2, after=after)] for n, after in turns),
-            [Planned("one-tile", 64, 4, anchored=False)],   # (a completion: no messages)
+            # a completion's (no messages), and a paced piece's size on a GPU beside
+            # decoding lanes (whole chunks of a power-of-two length, no boundary)
+            [Planned("one-tile", 64, 4, anchored=False)],
+            [Planned("quarter-chunk", quarter, 2, anchored=False)],
             [Planned("aligned", 48, 6), Planned("short", 5, 6), Planned("odd", 100, 6)],
             [Planned("sampled", 21, 4, sampled=True)]]
 

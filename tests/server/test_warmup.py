@@ -28,11 +28,11 @@ def test_the_full_warm_up_runs_each_planned_request_and_leaves_nothing(spec):
     report = warm_up(server, verify_tokens=4 if spec == "mtp" else 0, full=True)
     server.thread.stop()
     assert server.thread.error is None
-    assert report.requests == sum(map(len, planned(32, 512))) == 14
+    assert report.requests == sum(map(len, planned(32, 512))) == 15
     assert report.reused == 7     # the next turns and the one-token turn restored a state
     assert report.graphs is None  # (a model without CUDA graphs)
     started = [e for e in h.journal.read() if e.kind == "RequestStarted"]
-    assert len(started) == 14
+    assert len(started) == 15
     # a served next turn's anchors: captured at the reply's end and the message's end
     turn = next(e for e in started if e.request.endswith("-its-next-turn"))
     captured = {e.checkpoint.position for e in h.journal.read()
@@ -56,7 +56,7 @@ def test_a_small_context_leaves_out_the_turns_that_would_not_fit():
     h, server = _server(EngineConfig(max_concurrency=2, prefill_chunk=16, max_context=48))
     report = warm_up(server, full=True)
     server.thread.stop()
-    assert 0 < report.requests < 14
+    assert 0 < report.requests < 15
     assert not [s for s in h.engine.store.endpoints.values() if s.facts.tenant == TENANT]
 
 
