@@ -166,7 +166,7 @@ def _run(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from ..model.runtime import open_model
     from .corpus import Corpus
-    from .evaluate import PARTS, evaluate
+    from .evaluate import PARTS, evaluate, goals, goals_table
     parts = [p for p in args.parts.split(",") if p]
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
@@ -183,12 +183,15 @@ def _eval(args: argparse.Namespace) -> int:
     figures = evaluate(om, Corpus.open(args.corpus), parts=parts, limit=args.limit,
                        window=args.window, stride=stride, concurrency=args.concurrency,
                        progress=not args.quiet)
-    figures |= {"model": str(args.model), "device": args.device, "dtype": dtype}
+    figures |= {"model": str(args.model), "device": args.device, "dtype": dtype,
+                "goals": goals(figures)}
     text = json.dumps(figures, indent=1, ensure_ascii=False)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             f.write(text + "\n")
     print(text)
+    if figures["goals"]:
+        print(goals_table(figures["goals"]), file=sys.stderr)
     return 0
 
 

@@ -23,7 +23,8 @@ modules, greedy, without constrained decoding.
   length follows acceptance), and its decode speed-up over `none`.
 
 Generation goes through the engine (`ninfer.engine`) over `ninfer.model.runtime`'s model,
-the serving path; only the bits per byte read the model's forward directly.
+the serving path; only the bits per byte read the model's forward directly. `goals` judges
+the figures against issue 31's goals (`ninfer train eval` prints them as a table).
 """
 
 from __future__ import annotations
@@ -321,6 +322,44 @@ def drafting(om: OpenModel, prompts: Sequence[str], *,
     none, mtp = results["none"], results["mtp3_adaptive"]
     return {"prompts": len(ids), "runs": results,
             "mtp_adaptive_speedup_over_none": mtp["tok_s"] / max(none["tok_s"], 1e-9)}
+
+
+# --- the issue's goals ------------------------------------------------------------------------
+
+# (the figure's path in the report, what it is, "<=" or ">=", the goal)
+GOALS = (
+    (("bpb", "ratio_to_xz"), "bits per byte / xz -9's", "<=", 0.7),
+    (("docstrings", "share"), "docstring replies that parse", ">=", 0.6),
+    (("tools", "share"), "tool calls valid", ">=", 0.8),
+    (("drafting", "runs", "mtp3", "tokens_per_verify"), "MTP tokens per verify, k = 3",
+     ">=", 2.5),
+)
+
+
+def goals(figures: dict) -> list[dict]:
+    """Each goal whose figure the report holds: the figure, its goal, and whether it is
+    met. (The served speed-up of `--spec mtp`, the last goal, is `ninfer bench drafting`'s.)"""
+    out = []
+    for path, what, op, goal in GOALS:
+        value: Any = figures
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        if value is None:
+            continue
+        met = value <= goal if op == "<=" else value >= goal
+        out.append({"figure": ".".join(path), "what": what, "value": value, op: goal,
+                    "met": met})
+    return out
+
+
+def goals_table(rows: list[dict]) -> str:
+    """The goals as a table a person reads."""
+    lines = [f"{'figure':<36} {'value':>8}  {'goal':>8}  met"]
+    for row in rows:
+        op = "<=" if "<=" in row else ">="
+        lines.append(f"{row['what']:<36} {row['value']:>8.3f}  {op} {row[op]:<5}  "
+                     f"{'yes' if row['met'] else 'NO'}")
+    return "\n".join(lines)
 
 
 # --- all of it -------------------------------------------------------------------------------

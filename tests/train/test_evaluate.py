@@ -153,3 +153,16 @@ def test_every_part_runs_on_a_slice(model, slice_corpus):
     fixed = runs["mtp3"]
     assert fixed["drafted"] >= 3 * fixed["verifies"] - 2 * 6 > runs["mtp3_adaptive"]["drafted"]
     assert not runs["mtp3"]["adaptive"] and runs["mtp3_adaptive"]["adaptive"]
+
+
+def test_the_goals_are_judged_from_the_figures_the_report_holds():
+    figures = {"bpb": {"ratio_to_xz": 0.649}, "tools": {"share": 0.665},
+               "drafting": {"runs": {"mtp3": {"tokens_per_verify": 3.28}}}}
+    rows = {r["figure"]: r for r in evaluate.goals(figures)}
+    assert set(rows) == {"bpb.ratio_to_xz", "tools.share",
+                         "drafting.runs.mtp3.tokens_per_verify"}   # no docstrings: absent
+    assert rows["bpb.ratio_to_xz"]["met"] and rows["bpb.ratio_to_xz"]["<="] == 0.7
+    assert not rows["tools.share"]["met"] and rows["tools.share"][">="] == 0.8
+    assert rows["drafting.runs.mtp3.tokens_per_verify"]["met"]
+    table = evaluate.goals_table(evaluate.goals(figures))
+    assert "tool calls valid" in table and "NO" in table and table.count("yes") == 2

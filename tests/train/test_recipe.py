@@ -110,9 +110,11 @@ def test_the_commands_train_and_evaluate(slice_corpus, tmp_path, capsys):
     assert [c["step"] for c in written["checkpoints"]] == [2]
     assert main(["train", "eval", str(out), "--corpus", str(slice_corpus.path), "--parts",
                  "bpb", "--limit", "1", "--json", str(figures), "--quiet"]) == 0
-    bpb = json.loads(figures.read_text())["bpb"]
+    written = json.loads(figures.read_text())
+    bpb = written["bpb"]
     assert bpb["files"] == 1 and bpb["bits_per_byte"] > 0
-    capsys.readouterr()
+    assert [g["figure"] for g in written["goals"]] == ["bpb.ratio_to_xz"]
+    assert "bits per byte / xz -9's" in capsys.readouterr().err   # the goals' table
 
 
 def test_a_share_or_stride_out_of_range_is_refused_by_name(slice_corpus, tmp_path, capsys):
