@@ -319,15 +319,7 @@ def baseline(json_path: str | None = None) -> int:
     if not torch.cuda.is_available():
         print("gpu baseline: needs a CUDA device", file=sys.stderr)
         return 2
-    import transformers
-    from transformers import AutoModelForCausalLM
-    from transformers.models.qwen3_next import modeling_qwen3_next as module
-    bound = _bind_fla(module)
-    path = anchor_dir()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    kernels = _implementations(model.model.layers[0].linear_attn, module)
-    r: dict = {"transformers": transformers.__version__, "kernels": kernels, "bound": bound,
-               "fast_path": bool(getattr(module, "is_fast_path_available", False))}
+    model, r = transformers_model(anchor_dir())
     g = torch.Generator(device="cuda").manual_seed(0)
     with torch.inference_mode():
         for batch in (1, 8):
@@ -347,6 +339,21 @@ def baseline(json_path: str | None = None) -> int:
         r["prefill_4k_tok_s"] = 4096 / seconds
     _write("baseline", r, json_path)
     return 0
+
+
+def transformers_model(path):
+    """transformers' model of the files at `path` in bf16 on the GPU, fla's kernels bound
+    where it imports, and what it runs: (model, {"transformers": version, "kernels",
+    "bound", "fast_path"})."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_next import modeling_qwen3_next as module
+    bound = _bind_fla(module)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    kernels = _implementations(model.model.layers[0].linear_attn, module)
+    return model, {"transformers": transformers.__version__, "kernels": kernels,
+                   "bound": bound,
+                   "fast_path": bool(getattr(module, "is_fast_path_available", False))}
 
 
 def _implementations(layer, module) -> dict[str, str | None]:

@@ -46,13 +46,8 @@ def _ninfer(path) -> dict:
 
 
 def _transformers(path) -> dict:
-    import transformers
-    from transformers import AutoModelForCausalLM
-    from transformers.models.qwen3_next import modeling_qwen3_next as module
-
-    from .gpu_engine import _bind_fla
-    r = {"transformers": transformers.__version__, "bound": _bind_fla(module)}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    from .gpu_engine import transformers_model
+    model, r = transformers_model(path)
     g = torch.Generator(device="cuda").manual_seed(0)
     with torch.inference_mode():
         for n in SIZES:

@@ -231,3 +231,9 @@ def test_made_up_names_from_words_recombine_real_names_parts_and_copy_as_listed(
         call = json.loads(chat.reference)
         assert call["name"] in listed
         assert set(call["arguments"]) <= set(listed[call["name"]]["properties"])
+
+
+def test_an_unknown_way_of_making_names_is_refused_before_anything_is_read(tmp_path):
+    with pytest.raises(CorpusError, match="made-up names"):
+        build(tmp_path / "c", modules=("json",), made_up_names="letters")
+    assert not (tmp_path / "c").exists()
