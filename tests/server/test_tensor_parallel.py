@@ -68,9 +68,10 @@ class Served:
                                             "max_tokens": 12, "temperature": 0})
 
     def followers(self) -> list[int]:
-        pid = self.process.pid
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-        return [int(p) for p in text.split()]
+        """The server's child processes, whichever of its threads spawned them: the loading
+        thread does, and a child moves to another thread when that one exits."""
+        tasks = Path(f"/proc/{self.process.pid}/task").glob("*/children")
+        return sorted({int(p) for task in tasks for p in _read(task).split()})
 
     def stop(self) -> int:
         if self.process.poll() is None:
@@ -86,6 +87,14 @@ class Served:
         with contextlib.closing(sqlite3.connect(f"file:{self.journal}?mode=ro", uri=True)) as db:
             return db.execute("SELECT request, data FROM events WHERE kind = ? ORDER BY seq",
                               (kind,)).fetchall()
+
+
+def _read(path: Path) -> str:
+    """A /proc file's text, or nothing when its thread has just exited."""
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 def _journal_check(path: Path) -> subprocess.CompletedProcess:
