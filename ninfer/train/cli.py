@@ -80,6 +80,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                           f"(default {defaults.mtp_weight})")
     run.add_argument("--weight-decay", type=float, default=defaults.weight_decay,
                      help=f"AdamW's, on matrices (default {defaults.weight_decay})")
+    run.add_argument("--whole-chats", action=argparse.BooleanOptionalAction,
+                     default=defaults.whole_chats,
+                     help="start a window drawn inside a chat example at that example's "
+                          "first token, so every reply is learned with its whole prompt "
+                          f"(default {'on' if defaults.whole_chats else 'off'})")
     run.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every,
                      help="also write <out stem>.step<N>.ninfer every N steps (0: never; "
                           f"default {defaults.checkpoint_every})")
@@ -149,7 +154,8 @@ def _run(args: argparse.Namespace) -> int:
     settings = dataclasses.replace(settings, steps=args.steps or settings.steps, seed=args.seed,
                                    batch=args.batch, seq_len=args.seq_len, lr=args.lr,
                                    checkpoint_every=args.checkpoint_every,
-                                   mtp_weight=args.mtp_weight, weight_decay=args.weight_decay)
+                                   mtp_weight=args.mtp_weight, weight_decay=args.weight_decay,
+                                   whole_chats=args.whole_chats)
     report = train(Corpus.open(args.corpus), args.out, settings=settings, device=args.device,
                    minutes=args.minutes, report_path=args.report,
                    config_overrides=smoke_shape() if args.shape == "smoke" else None,

@@ -77,19 +77,44 @@ def _tokens(corpus: Corpus, name: str, device: torch.device) -> Tensor:
 
 
 class Windows:
-    """Seeded random windows of a token stream: the same seed draws the same offsets."""
+    """Seeded random windows of a token stream: the same seed draws the same offsets.
 
-    def __init__(self, tokens: Tensor, length: int, seed: int) -> None:
+    With `chats` (the stream's chat examples as (starts, ends) of their first and last
+    token, `chat_spans`), a window drawn to start inside a chat example starts at that
+    example's first token instead: every chat the model learns from is read from its system
+    prompt on, as a served conversation is. Drawn anywhere, a quarter of the tool calls
+    were learned with the listed tools cut off (bench/NOTES.md, stop 42): guessing a name
+    from the request alone. Source files are cut anywhere as before."""
+
+    def __init__(self, tokens: Tensor, length: int, seed: int,
+                 chats: tuple[Tensor, Tensor] | None = None) -> None:
         if tokens.numel() <= length + 1:
             raise ValueError(f"{tokens.numel()} tokens: too few for windows of {length + 1}")
         self.tokens, self.length = tokens, length
         self.generator = torch.Generator().manual_seed(seed)
         self.span = torch.arange(length + 1, device=tokens.device)
+        self.chats = None if chats is None else (chats[0].cpu(), chats[1].cpu())
 
     def next(self, batch: int) -> Tensor:
         starts = torch.randint(0, self.tokens.numel() - self.length - 1, (batch,),
-                               generator=self.generator).to(self.tokens.device)
-        return self.tokens[starts[:, None] + self.span]  # [batch, length + 1]
+                               generator=self.generator)
+        if self.chats is not None and len(self.chats[0]):
+            first, last = self.chats
+            i = (torch.searchsorted(first, starts, right=True) - 1).clamp(min=0)
+            inside = (first[i] <= starts) & (starts <= last[i])
+            starts = torch.where(inside, first[i], starts)
+        return self.tokens[starts.to(self.tokens.device)[:, None] + self.span]
+
+
+def chat_spans(tokens: Tensor, *, endoftext: int, im_start: int) -> tuple[Tensor, Tensor]:
+    """The chat examples of a stream of documents each ended by `endoftext`: the positions
+    of their first token (`im_start`: a rendered conversation begins so, a source file
+    never at its first token) and of their `endoftext`, both ascending."""
+    tokens = tokens.cpu()
+    ends = (tokens == endoftext).nonzero().squeeze(1)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1] + 1])
+    chat = tokens[starts] == im_start
+    return starts[chat], ends[chat]
 
 
 def heldout_windows(tokens: Tensor, length: int, count: int = HELDOUT_WINDOWS) -> Tensor:
@@ -152,7 +177,9 @@ def train(corpus: Corpus, out: str | Path, *, settings: TrainSettings, device: s
     net = weights.build(config, s.seed).to(dev)
     net.train()
     train_tokens = _tokens(corpus, "train.bin", dev)
-    windows = Windows(train_tokens, s.seq_len, s.seed)
+    chats = chat_spans(train_tokens, endoftext=ids["<|endoftext|>"],
+                       im_start=ids["<|im_start|>"]) if s.whole_chats else None
+    windows = Windows(train_tokens, s.seq_len, s.seed, chats)
     held = heldout_windows(_tokens(corpus, "heldout.bin", dev), s.seq_len)
     optimizer = torch.optim.AdamW(_param_groups(net, s.weight_decay), lr=s.lr, betas=s.betas,
                                   fused=dev.type == "cuda")

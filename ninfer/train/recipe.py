@@ -56,6 +56,9 @@ class TrainSettings:
     mtp_depth: int = 3              # draft steps the MTP head is trained for (k up to 3)
     mtp_weight: float = 0.6         # of the MTP steps' mean loss, beside the main loss
     seed: int = 0
+    # a window drawn inside a chat example starts at its first token (`loop.Windows`); the
+    # shipped model was trained without (bench/NOTES.md, stop 42)
+    whole_chats: bool = False
     eval_every: int = 250           # held-out loss every this many steps (0: never)
     checkpoint_every: int = 1000    # a .ninfer beside the final one every this many steps
 

@@ -15,7 +15,7 @@ from ninfer.train import evaluate, loop, weights
 from ninfer.train.recipe import MAX_WEIGHT_BYTES, TrainSettings, smoke_shape, trained_config
 
 SMOKE = TrainSettings(steps=40, batch=8, seq_len=64, lr=4e-3, min_lr=4e-4, warmup=4,
-                      mtp_depth=2, eval_every=20, checkpoint_every=25)
+                      mtp_depth=2, eval_every=20, checkpoint_every=25, whole_chats=True)
 
 
 def test_the_default_shape_is_a_qwen35_hybrid_within_16_mib():
@@ -41,6 +41,49 @@ def test_windows_are_drawn_from_the_seed():
     first = a.next(4)
     assert torch.equal(first, b.next(4)) and first.shape == (4, 17)
     assert torch.equal(first[:, 1:] - first[:, :-1], torch.ones(4, 16, dtype=torch.int64))
+
+
+def _stream() -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """Documents ended by 0: source files (tokens 10..) and chats (starting with 1, a call
+    marked 2), and the chats' (first, last) positions."""
+    docs, chats, at = [], [], 0
+    for i in range(60):
+        doc = [1] + [5] * (3 + i % 7) + [2, 6, 6] if i % 3 else [10 + i % 5] * (20 + i % 11)
+        if doc[0] == 1:
+            chats.append((at, at + len(doc)))
+        docs += doc + [0]
+        at += len(doc) + 1
+    return torch.tensor(docs), chats
+
+
+def test_chat_spans_are_the_documents_that_open_a_conversation():
+    tokens, chats = _stream()
+    first, last = loop.chat_spans(tokens, endoftext=0, im_start=1)
+    assert list(zip(first.tolist(), last.tolist(), strict=True)) == chats
+
+
+def test_whole_chat_windows_read_every_chat_from_its_first_token():
+    tokens, chats = _stream()
+    spans = loop.chat_spans(tokens, endoftext=0, im_start=1)
+    whole = loop.Windows(tokens, 12, seed=5, chats=spans)
+    cut = loop.Windows(tokens, 12, seed=5)
+    cut_calls = snapped = 0
+    for _ in range(50):
+        a, b = whole.next(8), cut.next(8)
+        for w, c in zip(a.tolist(), b.tolist(), strict=True):
+            # a window that opened in a source file is the one drawn; one drawn inside a chat
+            # opens at its first token, so each call it holds comes after that chat's start
+            snapped += w != c
+            assert w == c or w[0] == 1
+            for row in (w, c):
+                for p in (p for p, t in enumerate(row) if t == 2):
+                    opened = 1 in row[:p]
+                    if row is w:
+                        assert opened
+                    cut_calls += not opened
+    assert snapped > 0 and cut_calls > 0  # the plain draw does cut chats; whole ones do not
+    again = loop.Windows(tokens, 12, seed=5, chats=spans)
+    assert torch.equal(again.next(8), loop.Windows(tokens, 12, seed=5, chats=spans).next(8))
 
 
 @pytest.fixture(scope="module")
