@@ -23,7 +23,7 @@ import torch
 
 from ..flags import FLAGS
 from .config import ModelConfig
-from .hybrid import HybridModel, load_weights
+from .hybrid import loaded_model
 from .loader import LoadedFiles, load_files
 from .pools import BlockPool, SlotPool
 from .shard import Collectives, Shard, ShardError, build_shard, check_shardable
@@ -199,9 +199,8 @@ def shard_model(ranks: Ranks | None, *, path: str | None, dtype: str, device: st
     if world > 1 and torch.device(device).type == "cuda":
         device = f"cuda:{ranks.rank}"  # one GPU per rank, in rank order
         FLAGS.skinny_rows = 0  # the fused residual GEMMs would sum the residual N times
-    net = HybridModel(files.config, mtp=mtp)
-    load_weights(net, files.tensors)
-    net = net.to(device=device, dtype=DTYPES[dtype])
+    net = loaded_model(files.config, files.tensors, mtp=mtp, device=device,
+                       dtype=DTYPES[dtype])
     if kv_capacity is None:  # one GPU: from its memory free now, the weights on it
         from .memory import kv_capacity_for
         free, _ = torch.cuda.mem_get_info(torch.device(device))

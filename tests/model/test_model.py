@@ -9,7 +9,7 @@ import torch
 from ninfer.model.attention import ContiguousKV
 from ninfer.model.config import expected_tensors
 from ninfer.model.gdn import GDNState
-from ninfer.model.hybrid import HybridModel, HybridState, LoadError, load_weights
+from ninfer.model.hybrid import HybridModel, HybridState, LoadError, load_weights, loaded_model
 
 from .hf_reference import random_tensor, tiny_config
 
@@ -83,6 +83,37 @@ def test_load_weights_accepts_multimodal_prefix_and_skips_what_is_not_needed():
     out = model(ids, _positions(0, 3, 1), HybridState.initial(config, 1, torch.float32))
     embed = weights["model.embed_tokens.weight"]
     torch.testing.assert_close(out.logits, out.hidden @ embed.T)
+
+
+@pytest.mark.parametrize("mtp,dtype", [(True, torch.bfloat16), (False, torch.float32)])
+def test_a_loaded_model_takes_the_files_tensors_and_makes_no_weights_of_its_own(
+        monkeypatch, mtp, dtype):
+    config = tiny_config("qwen3_next", True)
+    weights = _weights(config)
+    real = {name: getattr(torch.nn.init, name) for name in ("kaiming_uniform_", "normal_")}
+
+    def meta_only(name):
+        def init(tensor, *args, **kwargs):
+            # a parameter made on a real device and initialised, only to be overwritten:
+            # seconds of a large model's start-up
+            assert tensor.is_meta, f"{name} on a {tensor.device} parameter"
+            return real[name](tensor, *args, **kwargs)
+        return init
+
+    for name in real:
+        monkeypatch.setattr(torch.nn.init, name, meta_only(name))
+    assert {t.dtype for t in weights.values()} == {torch.float32}
+    model = loaded_model(config, weights, mtp=mtp, device="cpu", dtype=dtype)
+    assert _shapes(model) == expected_tensors(config, mtp=mtp)
+    for name, param in model.named_parameters():
+        assert param.dtype == dtype and param.device.type == "cpu"
+        assert not param.requires_grad
+        assert torch.equal(param, weights[name].to(dtype))
+        # its own memory, not the file's pages
+        assert param.data_ptr() != weights[name].data_ptr()
+    with pytest.raises(LoadError, match="missing: model.norm.weight"):
+        loaded_model(config, {n: t for n, t in weights.items() if n != "model.norm.weight"},
+                     mtp=mtp, device="cpu", dtype=torch.float32)
 
 
 @pytest.mark.parametrize("family,moe", [("qwen3_next", True), ("qwen3_5", False)])
