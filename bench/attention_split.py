@@ -1,0 +1,141 @@
+"""An experiment, not product code: a prefill chunk's attention at anchor-1b's shapes (8 query
+heads of 256 over 2 KV heads, bf16) timed as the engine does it now and split in two, the
+chunk's queries over the prefix (no mask) and over the chunk itself (square causal), the two
+merged by their log-sum-exps; each half may then take a kernel that the lower-right causal
+mask of the whole does not reach (cuDNN's). Issue 32 item 2: flash attention was 86 of the
+231 ms of a 32K prefill on the H100 (bench/NOTES.md, stop 41).
+
+    python3 bench/attention_split.py --check          # CPU: the split equals the whole
+    python3 bench/attention_split.py --out r.json     # GPU: time the variants
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+H, HKV, D = 8, 2, 256
+
+
+def whole(q, k, v):
+    """The engine's way: [1, H, T, D] over [1, Hkv, L, D], causal aligned bottom right."""
+    T, L = q.shape[2], k.shape[2]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, L),
+                                          scale=D ** -0.5, enable_gqa=True)
+
+
+def _repeat(t):
+    return t.repeat_interleave(H // t.shape[1], dim=1)
+
+
+def _with_lse(q, k, v, causal: bool, backend: str):
+    """(out [1, H, T, D], lse [1, H, T] float32) of one half."""
+    scale = D ** -0.5
+    if backend == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, _repeat(k), _repeat(v), 0.0, causal, scale=scale)
+        return out, lse
+    if backend == "flash":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale)[:2]
+        return out, lse
+    if backend == "cudnn":
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, _repeat(k), _repeat(v), None, True, 0.0, causal, False, scale=scale)[:2]
+        return out, lse
+    raise ValueError(backend)
+
+
+def split(q, k, v, backend: str):
+    """The chunk over the prefix (all of it visible) and over itself (square causal), merged."""
+    T, L = q.shape[2], k.shape[2]
+    mine = _with_lse(q, k[:, :, L - T:], v[:, :, L - T:], True, backend)
+    if L == T:
+        return mine[0]
+    prefix = _with_lse(q, k[:, :, :L - T], v[:, :, :L - T], False, backend)
+    (o1, l1), (o2, l2) = prefix, mine
+    l1, l2 = l1.float().reshape(o1.shape[:3]), l2.float().reshape(o2.shape[:3])
+    top = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - top), torch.exp(l2 - top)
+    out = (o1.float() * w1[..., None] + o2.float() * w2[..., None]) / (w1 + w2)[..., None]
+    return out.to(q.dtype)
+
+
+def _inputs(T, L, device, dtype, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(1, H, T, D, generator=g).to(device, dtype)
+    k = torch.randn(1, HKV, L, D, generator=g).to(device, dtype)
+    v = torch.randn(1, HKV, L, D, generator=g).to(device, dtype)
+    return q, k, v
+
+
+def check() -> None:
+    for T, L in ((64, 64), (48, 200), (1, 33), (100, 300)):
+        q, k, v = _inputs(T, L, "cpu", torch.float32)
+        err = (split(q, k, v, "cpu") - whole(q, k, v)).abs().max().item()
+        print(f"T {T} L {L}: max |split - whole| {err:.2e}")
+        assert err < 1e-4, err
+
+
+def _time(fn, repeat=5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def bench(prompt: int, chunk: int, layers: int) -> dict:
+    rows = {}
+    for L in range(chunk, prompt + 1, chunk):
+        q, k, v = _inputs(chunk, L, "cuda", torch.bfloat16, seed=L)
+        ref = whole(q, k, v)
+        flops = 4 * H * D * (chunk * (L - chunk) + chunk * chunk / 2)
+        row = {}
+        for name, fn in (("whole_flash", lambda: whole(q, k, v)),
+                         ("split_flash", lambda: split(q, k, v, "flash")),
+                         ("split_cudnn", lambda: split(q, k, v, "cudnn"))):
+            try:
+                err = (fn().float() - ref.float()).abs().max().item()
+                ms = _time(fn)
+                row[name] = {"ms": ms, "tflops": flops / ms / 1e9, "max_err": err}
+            except Exception as exc:  # a backend this torch or card lacks
+                row[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        rows[L] = row
+        print(L, json.dumps(row), flush=True)
+    total = {name: sum(r[name].get("ms", float("nan")) for r in rows.values()) * layers
+             for name in ("whole_flash", "split_flash", "split_cudnn")}
+    return {"prompt": prompt, "chunk": chunk, "layers": layers, "chunks": rows,
+            "prefill_ms_all_layers": total, "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "cudnn": torch.backends.cudnn.version()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="CPU: the split equals the whole")
+    p.add_argument("--prompt", type=int, default=32768)
+    p.add_argument("--chunk", type=int, default=8192)
+    p.add_argument("--layers", type=int, default=6, help="attention layers (anchor-1b: 6)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if args.check:
+        check()
+        return
+    result = bench(args.prompt, args.chunk, args.layers)
+    print(json.dumps(result["prefill_ms_all_layers"]))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
