@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..engine.engine import Submit
 from ..lifecycle import events as ev
@@ -100,6 +100,11 @@ class WarmUp:
     requests_s: float = 0.0
     graphs: dict | None = None     # TorchModel.capture_graphs's report (None: no graphs)
     total_s: float = 0.0
+    batches: list[tuple[str, float]] = field(default_factory=list)  # (names, seconds)
+
+    def slowest(self, n: int = 4) -> list[tuple[str, float]]:
+        """The `n` slowest of the requests sent together, slowest first."""
+        return sorted(self.batches, key=lambda b: -b[1])[:n]
 
 
 def warm_up(server, *, verify_tokens: int = 0, full: bool | None = None) -> WarmUp:
@@ -121,6 +126,7 @@ def warm_up(server, *, verify_tokens: int = 0, full: bool | None = None) -> Warm
     plan = planned(config.prefill_chunk, config.max_context) if full \
         else [[Planned("short", 5, 2)]]
     for batch in plan:
+        batch_began = time.monotonic()
         handles = []
         for p in batch:
             if p.after and p.after not in outputs:
@@ -152,6 +158,9 @@ def warm_up(server, *, verify_tokens: int = 0, full: bool | None = None) -> Warm
                 raise RuntimeError(f"warm-up request {p.name!r} ended with {outcome!r}")
             outputs[p.name] = prompt + tuple(tokens)
             report.requests += 1
+        if handles:
+            report.batches.append((" + ".join(p.name for p, *_ in handles),
+                                   time.monotonic() - batch_began))
     report.requests_s = time.monotonic() - began
 
     def capture(engine):
@@ -178,4 +187,7 @@ def warm_up(server, *, verify_tokens: int = 0, full: bool | None = None) -> Warm
              f"{g['verify']} verify, {g['mtp']} MTP, {g['turn']} next-turn) held, those "
              f"not yet captured taking {g['seconds']:.1f} s, "
              f"graph memory {g['memory_bytes'] / 2**20:,.0f} MiB", report.total_s)
+    if report.batches:
+        log.info("warm-up: the slowest requests (what they compiled, on a first start): %s",
+                 ", ".join(f"{names} {seconds:.1f} s" for names, seconds in report.slowest()))
     return report

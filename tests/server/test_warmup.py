@@ -30,6 +30,12 @@ def test_the_full_warm_up_runs_each_planned_request_and_leaves_nothing(spec):
     assert server.thread.error is None
     assert report.requests == sum(map(len, planned(32, 512))) == 15
     assert report.reused == 7     # the next turns and the one-token turn restored a state
+    # each batch of requests sent together is timed, every request named once
+    names = [n for names, _ in report.batches for n in names.split(" + ")]
+    assert sorted(names) == sorted(p.name for batch in planned(32, 512) for p in batch)
+    assert [s for _, s in report.slowest(len(report.batches))] == \
+        sorted((s for _, s in report.batches), reverse=True)
+    assert 0 < sum(s for _, s in report.batches) <= report.requests_s
     assert report.graphs is None  # (a model without CUDA graphs)
     started = [e for e in h.journal.read() if e.kind == "RequestStarted"]
     assert len(started) == 15
