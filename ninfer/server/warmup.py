@@ -187,7 +187,7 @@ def warm_up(server, *, verify_tokens: int = 0, full: bool | None = None) -> Warm
              f"{g['verify']} verify, {g['mtp']} MTP, {g['turn']} next-turn) held, those "
              f"not yet captured taking {g['seconds']:.1f} s, "
              f"graph memory {g['memory_bytes'] / 2**20:,.0f} MiB", report.total_s)
-    if report.batches:
+    if len(report.batches) > 1:   # (the full warm-up: a GPU's)
         log.info("warm-up: the slowest requests (what they compiled, on a first start): %s",
                  ", ".join(f"{names} {seconds:.1f} s" for names, seconds in report.slowest()))
     return report
