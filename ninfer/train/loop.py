@@ -117,6 +117,23 @@ def chat_spans(tokens: Tensor, *, endoftext: int, im_start: int) -> tuple[Tensor
     return starts[chat], ends[chat]
 
 
+def calls_cut_off(tokens: Tensor, chats: tuple[Tensor, Tensor], call: int, length: int,
+                  whole: bool) -> float | None:
+    """The expected share of tool calls (`call`: the `<tool_call>` id) learned in a window
+    that starts after their conversation's first token, its listed tools cut off: drawn
+    anywhere, a window holding a call at p tokens into its conversation starts inside it with
+    probability min(p / length, 1); with whole chats, only where p is past the window's
+    length. None: no calls."""
+    tokens = tokens.cpu()
+    at = (tokens == call).nonzero().squeeze(1)
+    if not len(at) or not len(chats[0]):
+        return None
+    first = chats[0][(torch.searchsorted(chats[0], at, right=True) - 1).clamp(min=0)]
+    into = (at - first).double()
+    cut = (into >= length).double() if whole else (into / length).clamp(max=1.0)
+    return float(cut.mean())
+
+
 def heldout_windows(tokens: Tensor, length: int, count: int = HELDOUT_WINDOWS) -> Tensor:
     """The first `count` non-overlapping windows of the held-out stream (fewer if short)."""
     n = min(count, (tokens.numel() - 1) // length)
@@ -177,9 +194,8 @@ def train(corpus: Corpus, out: str | Path, *, settings: TrainSettings, device: s
     net = weights.build(config, s.seed).to(dev)
     net.train()
     train_tokens = _tokens(corpus, "train.bin", dev)
-    chats = chat_spans(train_tokens, endoftext=ids["<|endoftext|>"],
-                       im_start=ids["<|im_start|>"]) if s.whole_chats else None
-    windows = Windows(train_tokens, s.seq_len, s.seed, chats)
+    chats = chat_spans(train_tokens, endoftext=ids["<|endoftext|>"], im_start=ids["<|im_start|>"])
+    windows = Windows(train_tokens, s.seq_len, s.seed, chats if s.whole_chats else None)
     held = heldout_windows(_tokens(corpus, "heldout.bin", dev), s.seq_len)
     optimizer = torch.optim.AdamW(_param_groups(net, s.weight_decay), lr=s.lr, betas=s.betas,
                                   fused=dev.type == "cuda")
@@ -203,7 +219,9 @@ def train(corpus: Corpus, out: str | Path, *, settings: TrainSettings, device: s
         "config": config.to_dict(), "settings": dataclasses.asdict(s),
         "corpus": {"path": str(corpus.path), "sha256": corpus.sha256,
                    "files_sha256": corpus.manifest["files_sha256"],
-                   "train_tokens": train_tokens.numel(), "heldout_tokens": held.numel()},
+                   "train_tokens": train_tokens.numel(), "heldout_tokens": held.numel(),
+                   "tool_calls_cut_off": calls_cut_off(train_tokens, chats, ids["<tool_call>"],
+                                                       s.seq_len, s.whole_chats)},
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor()
         or "cpu", "torch": torch.__version__, "minutes": minutes,
         "weight_bytes": weights.weight_bytes(config), "losses": [], "heldout": [],

@@ -86,6 +86,19 @@ def test_whole_chat_windows_read_every_chat_from_its_first_token():
     assert torch.equal(again.next(8), loop.Windows(tokens, 12, seed=5, chats=spans).next(8))
 
 
+def test_the_share_of_calls_cut_off_from_their_tools_is_what_windows_draw():
+    tokens, chats = _stream()
+    spans = loop.chat_spans(tokens, endoftext=0, im_start=1)
+    into = [tokens[a:b].tolist().index(2) for a, b in chats]   # each call's offset
+    assert loop.calls_cut_off(tokens, spans, 2, 12, whole=False) == pytest.approx(
+        sum(min(p / 12, 1) for p in into) / len(into))
+    assert loop.calls_cut_off(tokens, spans, 2, 12, whole=True) == 0.0
+    # a window shorter than a conversation's way to its call cuts it even when whole
+    assert loop.calls_cut_off(tokens, spans, 2, 6, whole=True) == pytest.approx(
+        sum(p >= 6 for p in into) / len(into))
+    assert loop.calls_cut_off(tokens, spans, 99, 12, whole=False) is None
+
+
 @pytest.fixture(scope="module")
 def trained(slice_corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("run") / "smoke.ninfer"
@@ -104,6 +117,8 @@ def test_a_few_steps_lower_the_loss_and_write_a_report(trained, slice_corpus):
     assert report["heldout"][-1]["loss"] < report["heldout"][0]["loss"] + 0.5
     assert report["steps_done"] == SMOKE.steps and report["tokens"] == 40 * 8 * 64
     assert report["corpus"]["sha256"] == slice_corpus.sha256
+    # windows of 64 tokens: every call lies further than that into its conversation
+    assert report["corpus"]["tool_calls_cut_off"] == 1.0
     assert report["settings"]["seed"] == 0 and report["config"]["model_type"] == "qwen3_5_text"
 
 
