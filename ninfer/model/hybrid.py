@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from kernels import kernels_for, skinny_for
 
@@ -274,11 +275,24 @@ def _assign(model: nn.Module, name: str, value: Tensor) -> None:
 def loaded_model(config: ModelConfig, tensors: dict[str, Tensor], *, mtp: bool,
                  device: torch.device | str, dtype: torch.dtype) -> HybridModel:
     """The model with the checkpoint's tensors as its parameters, on `device` in `dtype`.
-    Built on the meta device, so no parameter is made and randomly initialised only to be
-    overwritten: for anchor-1b (0.73B parameters) that initialisation in float32 was 9.2 s
-    of a 11.8 s load on the CPU, and the cast to bf16 another 2.2 s (bench/NOTES.md,
-    stop 42)."""
-    with torch.device("meta"):
+    Built on the meta device with no initialiser run, so no parameter is made and randomly
+    initialised only to be overwritten: for anchor-1b (0.73B parameters) that
+    initialisation in float32 was 9.2 s of a 11.8 s load on the CPU, and the cast to bf16
+    another 2.2 s (bench/NOTES.md, stop 42)."""
+    with torch.device("meta"), _NoInit():
         net = HybridModel(config, mtp=mtp)
     load_weights(net, tensors, device=device, dtype=dtype)
     return net
+
+
+class _NoInit(TorchFunctionMode):
+    """The initialisers skipped while a model is built on the meta device: there they
+    compute nothing, and the first of them imports torch._dynamo (1.1 s on the CPU)."""
+
+    SKIPPED = frozenset({"normal_", "uniform_", "kaiming_uniform_", "trunc_normal_",
+                         "zero_", "zeros_", "fill_", "ones_"})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.SKIPPED:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
