@@ -19,7 +19,7 @@ conversation of its own. Turn 2 is timed two ways:
 - host side, by calling the server's own functions on the same request just before it is
   sent: JSON parsing and validation, the template render, the tokenising as served (the
   history's encoder), the anchors' prefix renders, the submit check, hashing the prompt's
-  blocks and writing its journal row (JSON of its token ids).
+  blocks and encoding its journal row (its token ids packed, `events.pack_ids`).
 
 The times are each stage's best over the repeats (the counts: medians); the table has one
 column per size.
@@ -61,7 +61,7 @@ HOST = [("parse", "host: JSON parse + validate"),
         ("render_chat", "host: render_chat as served (+anchors)"),
         ("submit_check", "host: engine submit check"),
         ("block_hashes", "host: prompt's block hashes, from scratch"),
-        ("journal_row", "host: RequestQueued row (ids as JSON)")]
+        ("journal_row", "host: RequestQueued row (JSON, ids packed)")]
 
 
 COUNTS = ("prompt_tokens", "cached_tokens", "pieces", "forwards", "journal_kib")
@@ -168,6 +168,7 @@ def host_stages(server, messages: list[dict], session: str) -> dict[str, float]:
     """The host-side work of one chat request, timed by calling the server's own functions
     as `submission.start` calls them (nothing is submitted)."""
     from ..engine.commands import Submit, problem
+    from ..lifecycle.events import RequestQueued, to_json
     from ..lifecycle.hashing import block_hashes
     from ..lifecycle.request import SamplingParams
     from ..server import sessions
@@ -193,6 +194,7 @@ def host_stages(server, messages: list[dict], session: str) -> dict[str, float]:
     submit = Submit(id="bench", prompt=tuple(ids), session=key, tenant=tenant,
                     params=SamplingParams(max_tokens=2))
     vocab = server.vocab_size
+    hashes = block_hashes(submit.prompt)
     return {
         "parse": _timed(lambda: from_chat(validate(ChatRequest, json.loads(raw)),
                                           default_budget=budget)),
@@ -205,7 +207,9 @@ def host_stages(server, messages: list[dict], session: str) -> dict[str, float]:
         "submit_check": _timed(lambda: problem(submit, vocab_size=vocab,
                                                max_context=server.settings.max_context)),
         "block_hashes": _timed(lambda: block_hashes(submit.prompt)),
-        "journal_row": _timed(lambda: json.dumps({"tokens": list(submit.prompt)})),
+        "journal_row": _timed(lambda: to_json(RequestQueued(
+            tenant=tenant, prompt_len=len(submit.prompt), block_hashes=hashes,
+            tokens=submit.prompt))),
     }
 
 

@@ -7,16 +7,19 @@ consumer (fold, journal check, timelines, redrive) needs each field.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import functools
 import json
+import sys
 import types
 import typing
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .facts import CheckpointFacts, EndpointFacts, Mode
+from .facts import CheckpointFacts, EndpointFacts, Mode, TokenIds
 
 
 class UnknownEventKind(ValueError):
@@ -53,7 +56,7 @@ class RequestQueued(Event):
     tenant: str
     prompt_len: int
     block_hashes: tuple[int, ...]          # chained hashes of the prompt's full blocks
-    tokens: tuple[int, ...] | None = None  # None when the journal's content is "hashes"
+    tokens: TokenIds | None = None      # None when the journal's content is "hashes"
     params: dict[str, Any] = field(default_factory=dict)
     boundaries: tuple[int, ...] = ()       # message boundaries (anchor positions)
     shared_prefix: int = 0                 # length of the stable shared prefix, 0 if none
@@ -267,6 +270,48 @@ def _one_shot(encoder: json.JSONEncoder) -> Callable[[Any], str]:
 _encode = _one_shot(_JSON)   # every journal row's payload (the engine writes one per commit)
 
 
+PACKED_IDS = "u32le:"   # a packed token-id list: this prefix, then base64 of uint32 LE ids
+
+
+def pack_ids(ids: tuple[int, ...]) -> str:
+    """A token-id list as a journal row holds a long one (`facts.TokenIds` fields): base64
+    of the ids as little-endian uint32s, after PACKED_IDS. 0.3 ms for 32K ids where their
+    JSON took 2.4 (schema version 2; a version 1 journal's rows hold JSON lists)."""
+    packed = array("I", ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return PACKED_IDS + base64.b64encode(packed.tobytes()).decode("ascii")
+
+
+def token_ids(value: Any) -> tuple[int, ...] | None:
+    """A `TokenIds` field's ids from its JSON value: packed (`pack_ids`), a list (a version
+    1 journal's rows), or null. For readers of raw rows; the decoders use it too."""
+    if value is None:
+        return None
+    if type(value) is not str:
+        return tuple(value)
+    if not value.startswith(PACKED_IDS):
+        raise ValueError(f"packed token ids must start with {PACKED_IDS!r}")
+    packed = array("I")
+    packed.frombytes(base64.b64decode(value[len(PACKED_IDS):], validate=True))
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return tuple(packed)
+
+
+@functools.cache
+def _packed(cls: type) -> frozenset[str]:
+    """Fields of `cls` annotated `TokenIds` (or `TokenIds | None`)."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+
+    def packed(tp: Any) -> bool:
+        if typing.get_origin(tp) in (typing.Union, types.UnionType):
+            return any(packed(a) for a in typing.get_args(tp))
+        return typing.get_origin(tp) is typing.Annotated and "packed" in tp.__metadata__
+
+    return frozenset(n for n in _field_names(cls) if packed(hints[n]))
+
+
 def _converter(tp: Any):
     """A function turning a JSON value back into annotation `tp`, or None if as-is."""
     origin = typing.get_origin(tp)
@@ -300,9 +345,11 @@ def _plain(value: Any) -> dict[str, Any]:
 
 def _as_dict(obj: Any, nested: frozenset[str]) -> dict[str, Any]:
     out = {}
+    packed = _packed(type(obj))
     for n in _field_names(type(obj)):
         v = getattr(obj, n)
-        out[n] = _plain(v) if n in nested else v
+        out[n] = _plain(v) if n in nested else pack_ids(v) if n in packed and v is not None \
+            else v
     return out
 
 
@@ -320,7 +367,7 @@ def to_json(ev: Event) -> str:
     """The payload of `ev` (everything but the envelope) as compact JSON."""
     cls = type(ev)
     nested = _nested(cls)
-    if nested:
+    if nested or _packed(cls):
         return _encode(_as_dict(ev, nested))
     return _encode({n: getattr(ev, n) for n in _field_names(cls)})
 
@@ -348,6 +395,7 @@ def _generated(cls: type, envelope: bool):
     An event's builder takes the envelope first: `build(seq, time, request, conversation,
     p)`; a fact's takes `build(p)`."""
     hints = typing.get_type_hints(cls)
+    packed = _packed(cls)
     name = cls.kind if envelope else cls.__name__
     env: dict[str, Any] = {"_new": object.__new__, "_cls": cls, "_ABSENT": _ABSENT,
                            "_lacks": _lacks, "_extra": _extra}
@@ -364,7 +412,8 @@ def _generated(cls: type, envelope: bool):
         n = f.name
         if n in skip:
             continue
-        env[f"_s_{n}"], conv = getattr(cls, n).__set__, _converter(hints[n])
+        env[f"_s_{n}"] = getattr(cls, n).__set__
+        conv = token_ids if n in packed else _converter(hints[n])
         got = f"_c_{n}(v)" if conv is not None else "v"
         env[f"_c_{n}"] = conv
         if f.default_factory is not dataclasses.MISSING:

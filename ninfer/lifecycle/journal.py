@@ -53,9 +53,15 @@ def _v1(db: sqlite_utils.Database) -> None:
     db["meta"].insert({"key": "application", "value": json.dumps(APPLICATION)})
 
 
+def _v2(db: sqlite_utils.Database) -> None:
+    """Rows from now on pack their long token-id lists (`events.pack_ids`); the rows
+    already there keep their JSON lists, which the decoders still read. Nothing to change:
+    the stamp keeps a build that knows only lists from reading packed ids as characters."""
+
+
 # version -> migration from version-1, up to journalfile.SCHEMA_VERSION; each runs in one
 # transaction with its version stamp
-MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {1: _v1}
+MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {1: _v1, 2: _v2}
 
 
 class Journal:

@@ -180,10 +180,11 @@ def test_meta_holds_schema_application_and_identity(tmp_path):
         with pytest.raises(ValueError, match="reserved"):
             j.set_meta("schema_version", 9)
     with Journal.open(tmp_path / "j.db", identity={"options": {"content": "tokens"}}) as j:
-        assert j.meta == {"schema_version": 1, "application": "ninfer", "model": identity["model"],
-                          "options": {"content": "tokens"}, "note": [1, "two"]}
+        assert j.meta == {"schema_version": SCHEMA_VERSION, "application": "ninfer",
+                          "model": identity["model"], "options": {"content": "tokens"},
+                          "note": [1, "two"]}
     raw = dict(sqlite3.connect(tmp_path / "j.db").execute("SELECT key, value FROM meta"))
-    assert raw["schema_version"] == "1"
+    assert raw["schema_version"] == str(SCHEMA_VERSION)
 
 
 def test_memory_journal_is_cheap_and_fresh(monkeypatch):
@@ -206,18 +207,19 @@ def test_older_schema_is_migrated_in_order(tmp_path, monkeypatch):
     with Journal.open(tmp_path / "j.db") as j:
         j.append(sample(1, 2))
     applied = []
+    later = SCHEMA_VERSION + 1
 
-    def v2(db):
-        applied.append(2)
+    def migrate(db):
+        applied.append(later)
         db["notes"].create({"id": int, "text": str}, pk="id")
 
-    monkeypatch.setattr(journalfile, "SCHEMA_VERSION", 2)
-    monkeypatch.setitem(journal_module.MIGRATIONS, 2, v2)
+    monkeypatch.setattr(journalfile, "SCHEMA_VERSION", later)
+    monkeypatch.setitem(journal_module.MIGRATIONS, later, migrate)
     with Journal.open(tmp_path / "j.db") as j:
-        assert j.meta["schema_version"] == 2 and "notes" in j.db.table_names()
+        assert j.meta["schema_version"] == later and "notes" in j.db.table_names()
         assert list(j.read()) == sample(1, 2)
     with Journal.open(tmp_path / "j.db"):
-        assert applied == [2]
+        assert applied == [later]
 
 
 # --- opening errors ----------------------------------------------------------------------
@@ -230,7 +232,7 @@ def test_newer_schema_version_is_refused(tmp_path):
     conn.commit()
     conn.close()
     with pytest.raises(JournalError, match=r"j\.db.*newer ninfer: schema version 7, "
-                                           r"this build reads up to 1"):
+                                           rf"this build reads up to {SCHEMA_VERSION}"):
         Journal.open(tmp_path / "j.db")
 
 

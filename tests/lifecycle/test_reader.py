@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from ninfer.lifecycle import events as ev
 from ninfer.lifecycle.events import (
     PrefillAdvanced,
     RequestCancelled,
@@ -19,6 +20,7 @@ from ninfer.lifecycle.events import (
     with_envelope,
 )
 from ninfer.lifecycle.journal import Journal, JournalError
+from ninfer.lifecycle.journalfile import SCHEMA_VERSION
 from ninfer.lifecycle.reader import JournalReader, UnreadableEvent
 
 from .test_journal import copy_open_journal, sample, write_three_appends
@@ -86,7 +88,9 @@ def test_rows_are_the_events_undecoded(journal):
         rows = list(r.rows(kinds=("RequestQueued",)))
         assert [r.decode(row) for row in rows] == [e for e in events
                                                    if e.kind == "RequestQueued"]
-        assert json.loads(rows[0][5])["tokens"] == [1, 2, 3, 0]
+        # the raw row packs its token ids (schema version 2)
+        assert json.loads(rows[0][5])["tokens"] == ev.pack_ids((1, 2, 3, 0))
+        assert ev.token_ids(json.loads(rows[0][5])["tokens"]) == (1, 2, 3, 0)
         lean = list(r.rows(kinds=("RequestQueued",), lean=True))
         assert [row[:5] for row in lean] == [row[:5] for row in rows]
         assert all(json.loads(row[5])["tokens"] is None for row in lean)
@@ -105,7 +109,7 @@ def test_envelopes_name_who_came_and_went_without_payloads(journal):
 def test_meta_count_and_seq_bounds(journal, tmp_path):
     path, events = journal
     with JournalReader.open(path) as r:
-        assert r.meta["application"] == "ninfer" and r.meta["schema_version"] == 1
+        assert r.meta["application"] == "ninfer" and r.meta["schema_version"] == SCHEMA_VERSION
         assert r.count() == len(events)
         assert (r.first_seq(), r.last_seq()) == (1, len(events))
     with Journal.open(tmp_path / "next.db", identity={"first_seq": 42}):
@@ -231,7 +235,7 @@ def test_a_newer_schema_is_refused(journal):
     path, _ = journal
     tampered(path, "UPDATE meta SET value = '9' WHERE key = 'schema_version'")
     with pytest.raises(JournalError, match=r"j\.db: written by a newer ninfer: schema version 9, "
-                                           r"this build reads up to 1"):
+                                           rf"this build reads up to {SCHEMA_VERSION}"):
         JournalReader.open(path)
 
 
