@@ -299,6 +299,24 @@ def token_ids(value: Any) -> tuple[int, ...] | None:
     return tuple(packed)
 
 
+def readable_payload(kind: str, payload: dict) -> dict:
+    """A row's decoded JSON payload with its packed token ids as lists, in place (for a
+    person or a script reading an export); an unknown kind's as it is."""
+    cls = EVENT_TYPES.get(kind)
+    return payload if cls is None else _readable(cls, payload)
+
+
+def _readable(cls: type, payload: dict) -> dict:
+    for n in _packed(cls):
+        if type(payload.get(n)) is str:
+            payload[n] = list(token_ids(payload[n]))
+    hints = typing.get_type_hints(cls)
+    for n in _nested(cls):
+        if type(payload.get(n)) is dict:
+            _readable(hints[n], payload[n])
+    return payload
+
+
 @functools.cache
 def _packed(cls: type) -> frozenset[str]:
     """Fields of `cls` annotated `TokenIds` (or `TokenIds | None`)."""

@@ -50,7 +50,7 @@ def _progress(items: Iterable[T], total: int) -> Iterator[T]:
 def export_dict(row: tuple) -> dict:
     seq, time, request, conversation, kind, data = row
     return {"seq": seq, "time": time, "request": request, "conversation": conversation,
-            "kind": kind, "data": json.loads(data)}
+            "kind": kind, "data": ev.readable_payload(kind, json.loads(data))}
 
 
 def lead_up(src: JournalReader, v: InvariantViolation, n: int = LEAD_UP) -> list[dict]:

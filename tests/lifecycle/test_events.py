@@ -95,3 +95,35 @@ def test_payload_text_is_json_dumps_compact(event):
         return out
 
     assert ev.to_json(event) == json.dumps(plain(event), separators=(",", ":"))
+
+
+def test_long_token_ids_are_packed_and_a_version_1_list_still_reads():
+    ids = (0, 1, 151_935, 2**32 - 1) + tuple(range(1000))
+    queued = ev.RequestQueued(seq=3, request="r", tenant="t", prompt_len=len(ids),
+                              block_hashes=(7,), tokens=ids)
+    published = ev.EndpointPublished(endpoint=EndpointFacts(
+        "e", "anchor", "t", "s", dataclasses.replace(CP, tokens=ids)))
+    for event, path in ((queued, ("tokens",)), (published, ("endpoint", "checkpoint", "tokens"))):
+        payload = json.loads(ev.to_json(event))
+        raw = payload
+        for key in path:
+            raw = raw[key]
+        assert isinstance(raw, str) and raw.startswith(ev.PACKED_IDS)
+        assert ev.token_ids(raw) == ids
+        row = ev.to_row(event)
+        assert ev.from_row(*row) == event
+        # a schema version 1 row: the same payload with the ids as a JSON list
+        inner = payload
+        for key in path[:-1]:
+            inner = inner[key]
+        inner[path[-1]] = list(ids)
+        assert ev.from_row(*row[:5], json.dumps(payload)) == event
+    # a round's few ids stay a list (journal scan counts them in SQL)
+    committed = ev.TokensCommitted(seq=4, tokens=(5, 6), frontier=9)
+    assert json.loads(ev.to_json(committed))["tokens"] == [5, 6]
+
+
+def test_a_packed_list_without_its_prefix_is_refused():
+    with pytest.raises(ValueError, match="u32le"):
+        ev.token_ids("AQAAAA==")
+    assert ev.token_ids(None) is None and ev.token_ids([1, 2]) == (1, 2)

@@ -47,7 +47,7 @@ class Running:
                                                 uri=True)) as db:
             rows = db.execute("SELECT kind, data, time FROM events WHERE request = ? "
                               "ORDER BY seq", (request_id,)).fetchall()
-        return [(k, _unpacked(k, json.loads(d)), t) for k, d, t in rows]
+        return [(k, ev.readable_payload(k, json.loads(d)), t) for k, d, t in rows]
 
     def wait_terminal(self, request_id: str, timeout: float = 10.0,
                       kinds=("RequestFinished", "RequestCancelled", "RequestFailed")):
@@ -197,9 +197,3 @@ def ends_at_once(live, monkeypatch):
     monkeypatch.setattr(live.server, "tokenizer", Stub())
     return script
 
-
-def _unpacked(kind: str, data: dict) -> dict:
-    """A row's payload with its packed token ids as a list (`events.pack_ids`)."""
-    if kind == "RequestQueued" and data.get("tokens") is not None:
-        data["tokens"] = list(ev.token_ids(data["tokens"]))
-    return data

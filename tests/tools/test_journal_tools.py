@@ -207,6 +207,11 @@ def test_export_round_trips(journal, tmp_path, capsys):
     back = [ev.from_row(d["seq"], d["time"], d["request"], d["conversation"], d["kind"],
                         json.dumps(d["data"])) for d in map(json.loads, lines)]
     assert back == evs
+    # the ids a row packs are exported as lists, for a person or a script
+    queued = [d["data"] for d in map(json.loads, lines) if d["kind"] == "RequestQueued"]
+    assert queued and all(isinstance(d["tokens"], list) for d in queued)
+    assert [tuple(d["tokens"]) for d in queued] == [e.tokens for e in evs
+                                                     if e.kind == "RequestQueued"]
     rc, stdout, _ = run(capsys, "export", journal, "--jsonl")
     assert rc == 0 and stdout.splitlines() == lines
     rc, doc = run_json(capsys, "export", journal)
