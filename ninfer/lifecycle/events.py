@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .facts import CheckpointFacts, EndpointFacts, Mode, TokenIds
+from .facts import BlockHashes, CheckpointFacts, EndpointFacts, Mode, TokenIds
 
 
 class UnknownEventKind(ValueError):
@@ -55,7 +55,7 @@ def event(cls: type) -> type:
 class RequestQueued(Event):
     tenant: str
     prompt_len: int
-    block_hashes: tuple[int, ...]          # chained hashes of the prompt's full blocks
+    block_hashes: BlockHashes              # chained hashes of the prompt's full blocks
     tokens: TokenIds | None = None      # None when the journal's content is "hashes"
     params: dict[str, Any] = field(default_factory=dict)
     boundaries: tuple[int, ...] = ()       # message boundaries (anchor positions)
@@ -270,37 +270,51 @@ def _one_shot(encoder: json.JSONEncoder) -> Callable[[Any], str]:
 _encode = _one_shot(_JSON)   # every journal row's payload (the engine writes one per commit)
 
 
-PACKED_IDS = "u32le:"   # a packed token-id list: this prefix, then base64 of uint32 LE ids
+# packed lists in a journal row (schema version 2): a prefix naming the item type, then the
+# base64 of the items little-endian; the `facts` annotation's tag -> (prefix, array type)
+PACKINGS = {"packed u32": ("u32le:", "I"),    # token ids (`facts.TokenIds`)
+            "packed u64": ("u64le:", "Q")}    # block hashes (`facts.BlockHashes`)
+_BY_PREFIX = {prefix: code for prefix, code in PACKINGS.values()}
+PACKED_IDS = PACKINGS["packed u32"][0]
+
+
+def pack(values: tuple[int, ...], tag: str = "packed u32") -> str:
+    """A long list as a journal row holds it (fields annotated `facts.TokenIds` or
+    `facts.BlockHashes`): base64 of the items as little-endian uint32s or uint64s, after
+    their prefix. 0.3 ms for 32K token ids where their JSON took 2.4 (a version 1
+    journal's rows hold JSON lists)."""
+    prefix, code = PACKINGS[tag]
+    packed = array(code, values)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return prefix + base64.b64encode(packed.tobytes()).decode("ascii")
 
 
 def pack_ids(ids: tuple[int, ...]) -> str:
-    """A token-id list as a journal row holds a long one (`facts.TokenIds` fields): base64
-    of the ids as little-endian uint32s, after PACKED_IDS. 0.3 ms for 32K ids where their
-    JSON took 2.4 (schema version 2; a version 1 journal's rows hold JSON lists)."""
-    packed = array("I", ids)
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return PACKED_IDS + base64.b64encode(packed.tobytes()).decode("ascii")
+    """Token ids packed (`pack`)."""
+    return pack(ids, "packed u32")
 
 
 def token_ids(value: Any) -> tuple[int, ...] | None:
-    """A `TokenIds` field's ids from its JSON value: packed (`pack_ids`), a list (a version
-    1 journal's rows), or null. For readers of raw rows; the decoders use it too."""
+    """A packed field's items from its JSON value: packed (`pack`), a list (a version 1
+    journal's rows), or null. For readers of raw rows; the decoders use it too."""
     if value is None:
         return None
     if type(value) is not str:
         return tuple(value)
-    if not value.startswith(PACKED_IDS):
-        raise ValueError(f"packed token ids must start with {PACKED_IDS!r}")
-    packed = array("I")
-    packed.frombytes(base64.b64decode(value[len(PACKED_IDS):], validate=True))
+    prefix = value[:value.find(":") + 1]
+    code = _BY_PREFIX.get(prefix)
+    if code is None:
+        raise ValueError(f"a packed list starts with one of {sorted(_BY_PREFIX)}")
+    packed = array(code)
+    packed.frombytes(base64.b64decode(value[len(prefix):], validate=True))
     if sys.byteorder != "little":
         packed.byteswap()
     return tuple(packed)
 
 
 def readable_payload(kind: str, payload: dict) -> dict:
-    """A row's decoded JSON payload with its packed token ids as lists, in place (for a
+    """A row's decoded JSON payload with its packed lists as lists, in place (for a
     person or a script reading an export); an unknown kind's as it is."""
     cls = EVENT_TYPES.get(kind)
     return payload if cls is None else _readable(cls, payload)
@@ -318,16 +332,19 @@ def _readable(cls: type, payload: dict) -> dict:
 
 
 @functools.cache
-def _packed(cls: type) -> frozenset[str]:
-    """Fields of `cls` annotated `TokenIds` (or `TokenIds | None`)."""
+def _packed(cls: type) -> dict[str, str]:
+    """Fields of `cls` annotated `TokenIds` or `BlockHashes` (or either `| None`): name ->
+    its packing's tag."""
     hints = typing.get_type_hints(cls, include_extras=True)
 
-    def packed(tp: Any) -> bool:
+    def tag(tp: Any) -> str | None:
         if typing.get_origin(tp) in (typing.Union, types.UnionType):
-            return any(packed(a) for a in typing.get_args(tp))
-        return typing.get_origin(tp) is typing.Annotated and "packed" in tp.__metadata__
+            return next(filter(None, map(tag, typing.get_args(tp))), None)
+        if typing.get_origin(tp) is typing.Annotated:
+            return next((m for m in tp.__metadata__ if m in PACKINGS), None)
+        return None
 
-    return frozenset(n for n in _field_names(cls) if packed(hints[n]))
+    return {n: t for n in _field_names(cls) if (t := tag(hints[n])) is not None}
 
 
 def _converter(tp: Any):
@@ -366,8 +383,8 @@ def _as_dict(obj: Any, nested: frozenset[str]) -> dict[str, Any]:
     packed = _packed(type(obj))
     for n in _field_names(type(obj)):
         v = getattr(obj, n)
-        out[n] = _plain(v) if n in nested else pack_ids(v) if n in packed and v is not None \
-            else v
+        out[n] = _plain(v) if n in nested else pack(v, packed[n]) if n in packed \
+            and v is not None else v
     return out
 
 

@@ -11,9 +11,10 @@ from typing import Annotated
 
 SPEC_MODES = ("none", "mtp", "ngram")
 
-# a token-id list a journal row packs (`events.pack_ids`): long (a prompt, a checkpoint's
-# prefix), and JSON of 32K ids costs 7x their packing on the engine thread
-TokenIds = Annotated[tuple[int, ...], "packed"]
+# lists a journal row packs (`events.pack`): long (a prompt's, a checkpoint's prefix's), and
+# JSON of 32K token ids costs 7x their packing on the engine thread
+TokenIds = Annotated[tuple[int, ...], "packed u32"]
+BlockHashes = Annotated[tuple[int, ...], "packed u64"]   # 64-bit chained block hashes
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +42,7 @@ class CheckpointFacts:
 
     id: str
     position: int
-    block_hashes: tuple[int, ...]
+    block_hashes: BlockHashes
     prefix_hash: int
     attn_kv: int
     recurrent_at: int

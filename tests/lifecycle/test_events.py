@@ -90,8 +90,8 @@ def test_payload_text_is_json_dumps_compact(event):
         out = {n: getattr(obj, n) for n in ev._field_names(type(obj))}
         for name in ev._nested(type(obj)):
             out[name] = plain(out[name])
-        for name in ev._packed(type(obj)):
-            out[name] = None if out[name] is None else ev.pack_ids(out[name])
+        for name, tag in ev._packed(type(obj)).items():
+            out[name] = None if out[name] is None else ev.pack(out[name], tag)
         return out
 
     assert ev.to_json(event) == json.dumps(plain(event), separators=(",", ":"))
