@@ -99,8 +99,11 @@ def test_payload_text_is_json_dumps_compact(event):
 
 def test_long_token_ids_are_packed_and_a_version_1_list_still_reads():
     ids = (0, 1, 151_935, 2**32 - 1) + tuple(range(1000))
+    hashes = (0, 7, 2**64 - 1)
     queued = ev.RequestQueued(seq=3, request="r", tenant="t", prompt_len=len(ids),
-                              block_hashes=(7,), tokens=ids)
+                              block_hashes=hashes, tokens=ids)
+    packed_hashes = json.loads(ev.to_json(queued))["block_hashes"]
+    assert packed_hashes.startswith("u64le:") and ev.token_ids(packed_hashes) == hashes
     published = ev.EndpointPublished(endpoint=EndpointFacts(
         "e", "anchor", "t", "s", dataclasses.replace(CP, tokens=ids)))
     for event, path in ((queued, ("tokens",)), (published, ("endpoint", "checkpoint", "tokens"))):
