@@ -56,7 +56,7 @@ class RequestQueued(Event):
     tenant: str
     prompt_len: int
     block_hashes: BlockHashes              # chained hashes of the prompt's full blocks
-    tokens: TokenIds | None = None      # None when the journal's content is "hashes"
+    tokens: TokenIds | None = None         # None when the journal's content is "hashes"
     params: dict[str, Any] = field(default_factory=dict)
     boundaries: tuple[int, ...] = ()       # message boundaries (anchor positions)
     shared_prefix: int = 0                 # length of the stable shared prefix, 0 if none
@@ -324,11 +324,15 @@ def _readable(cls: type, payload: dict) -> dict:
     for n in _packed(cls):
         if type(payload.get(n)) is str:
             payload[n] = list(token_ids(payload[n]))
-    hints = typing.get_type_hints(cls)
     for n in _nested(cls):
         if type(payload.get(n)) is dict:
-            _readable(hints[n], payload[n])
+            _readable(_hints(cls)[n], payload[n])
     return payload
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
 
 
 @functools.cache

@@ -8,7 +8,8 @@ Two parts, both on the engine thread, timed and logged:
   unaligned position), a one-token next turn, a half chunk and next turns of a few tokens
   (each with the message boundaries a served chat request has, where its prefill stops:
   a first turn's message end; a next turn's two, in one forward keeping its states),
-  short prompts alone and prefilled together, a sampled request. Triton specialises a
+  a first piece of 128 tokens, short prompts alone and prefilled together, a sampled
+  request. Triton specialises a
   kernel on its constexprs (tile sizes that follow a length's power of two) and its integer
   arguments (one, a multiple of 16, anything else): these lengths and offsets compile the
   variants a prompt meets, and the cuBLAS and attention paths of a prefill, a restore and
@@ -89,6 +90,10 @@ def planned(chunk: int, max_context: int) -> list[list[Planned]]:
             # decoding lanes (whole chunks of a power-of-two length, no boundary)
             [Planned("one-tile", 64, 4, anchored=False)],
             [Planned("quarter-chunk", quarter, 2, anchored=False)],
+            # a first piece whose length 16 divides and whose 64-token chunks do not
+            # number 1 or a multiple of 16 (128 then 3): Triton specialises the GDN
+            # kernels' T and NT on those classes, and the pieces above cover the others
+            [Planned("two-tiles", 128 + 3, 2)],
             [Planned("aligned", 48, 6), Planned("short", 5, 6), Planned("odd", 100, 6)],
             [Planned("sampled", 21, 4, sampled=True)]]
 

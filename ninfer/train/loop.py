@@ -112,6 +112,8 @@ def chat_spans(tokens: Tensor, *, endoftext: int, im_start: int) -> tuple[Tensor
     never at its first token) and of their `endoftext`, both ascending."""
     tokens = tokens.cpu()
     ends = (tokens == endoftext).nonzero().squeeze(1)
+    if not len(ends):   # (no document ends: no chat example either)
+        return ends, ends
     starts = torch.cat([ends.new_zeros(1), ends[:-1] + 1])
     chat = tokens[starts] == im_start
     return starts[chat], ends[chat]

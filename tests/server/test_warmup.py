@@ -28,7 +28,7 @@ def test_the_full_warm_up_runs_each_planned_request_and_leaves_nothing(spec):
     report = warm_up(server, verify_tokens=4 if spec == "mtp" else 0, full=True)
     server.thread.stop()
     assert server.thread.error is None
-    assert report.requests == sum(map(len, planned(32, 512))) == 15
+    assert report.requests == sum(map(len, planned(32, 512))) == 16
     assert report.reused == 7     # the next turns and the one-token turn restored a state
     # each batch of requests sent together is timed, every request named once
     names = [n for names, _ in report.batches for n in names.split(" + ")]
@@ -38,7 +38,7 @@ def test_the_full_warm_up_runs_each_planned_request_and_leaves_nothing(spec):
     assert 0 < sum(s for _, s in report.batches) <= report.requests_s
     assert report.graphs is None  # (a model without CUDA graphs)
     started = [e for e in h.journal.read() if e.kind == "RequestStarted"]
-    assert len(started) == 15
+    assert len(started) == 16
     # a served next turn's anchors: captured at the reply's end and the message's end
     turn = next(e for e in started if e.request.endswith("-its-next-turn"))
     captured = {e.checkpoint.position for e in h.journal.read()
@@ -62,7 +62,7 @@ def test_a_small_context_leaves_out_the_turns_that_would_not_fit():
     h, server = _server(EngineConfig(max_concurrency=2, prefill_chunk=16, max_context=48))
     report = warm_up(server, full=True)
     server.thread.stop()
-    assert 0 < report.requests < 15
+    assert 0 < report.requests < 16
     assert not [s for s in h.engine.store.endpoints.values() if s.facts.tenant == TENANT]
 
 
@@ -90,3 +90,21 @@ def test_graph_shapes_cover_the_lanes_and_the_context():
     assert plain["turn"] == [(WIDTHS[0],)]
     assert {s for s, _ in plain["decode"]} == set(SIZES)   # lanes past the largest: all
     assert {w for _, w in plain["decode"]} == {WIDTHS[0]}
+
+
+@pytest.mark.parametrize("chunk", [8192, 4096, 2048])   # the GPU default and others
+def test_first_turns_cover_the_gdn_kernels_length_classes(chunk):
+    """Triton specialises an integer argument on being 1, a multiple of 16 or neither: the
+    GDN prefill kernels' T (a piece's tokens) and NT (its 64-token chunks). The warm-up's
+    first turns, cut where a served prompt's prefill stops (its chunks and its message's
+    end), meet every class a served prompt's pieces can that reaches those kernels (a
+    piece of one token takes the recurrent step instead: `gdn.py`)."""
+    def classes(n: int) -> tuple:
+        return tuple("one" if x == 1 else "x16" if x % 16 == 0 else "other"
+                     for x in (n, -(-n // 64)))
+
+    met = set()
+    for p in (p for batch in planned(chunk, 4 * chunk + 1024) for p in batch if not p.after):
+        cuts = sorted({*range(chunk, p.prompt, chunk), *p.bounds(0), p.prompt})
+        met |= {classes(b - a) for a, b in zip([0, *cuts], cuts, strict=False) if b - a > 1}
+    assert met == {(t, nt) for t in ("x16", "other") for nt in ("one", "x16", "other")}

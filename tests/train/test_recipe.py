@@ -60,6 +60,8 @@ def test_chat_spans_are_the_documents_that_open_a_conversation():
     tokens, chats = _stream()
     first, last = loop.chat_spans(tokens, endoftext=0, im_start=1)
     assert list(zip(first.tolist(), last.tolist(), strict=True)) == chats
+    first, last = loop.chat_spans(torch.tensor([1, 5, 5]), endoftext=0, im_start=1)
+    assert first.tolist() == last.tolist() == []   # no document ends: nothing to start at
 
 
 def test_whole_chat_windows_read_every_chat_from_its_first_token():
