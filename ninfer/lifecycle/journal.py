@@ -31,6 +31,7 @@ from .journalfile import (
     warn_torn,
 )
 from .reader import Envelope, JournalReader
+from .walmerge import WalMerge
 
 RESERVED_META = frozenset({"schema_version", "application"})
 ROTATION_META = frozenset({"previous", "first_seq"})  # a rotated file's own, not carried on
@@ -82,6 +83,7 @@ class Journal:
         self._reader = JournalReader(conn, path)
         self._page_size: int | None = None
         self._last_seq = self._reader.last_seq()
+        self._wal: WalMerge | None = None   # a file journal's (`open`)
 
     @classmethod
     def open(cls, path: str | Path, *, identity: dict[str, Any] | None = None,
@@ -120,9 +122,11 @@ class Journal:
                 if mode.lower() != "wal":
                     raise JournalError(f"journal {path}: cannot use WAL mode (got {mode!r})")
                 conn.execute(f"PRAGMA synchronous={sync}")
+                conn.execute("PRAGMA wal_autocheckpoint=0")   # `WalMerge` copies the WAL
                 _prepare(sqlite_utils.Database(conn), path, identity)
             journal = cls(conn, str(path), tail.torn_bytes, synchronous=sync,
                           max_bytes=max_bytes, lock=lock)
+            journal._wal = WalMerge(str(path))
         except BaseException:
             conn.close()
             os.close(lock)
@@ -253,7 +257,9 @@ class Journal:
 
     def close(self) -> None:
         """Close the connection (idempotent) and let the writer's lock go; SQLite checkpoints
-        the WAL on the last close."""
+        the WAL on the last close (the WAL's copier closes first)."""
+        if self._wal is not None:
+            self._wal.close()
         self._conn.close()
         if self._lock is not None:
             os.close(self._lock)   # closing the descriptor releases its lock
