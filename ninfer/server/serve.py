@@ -535,7 +535,10 @@ def run_serve(args: argparse.Namespace) -> int:
                      args=(app.state.model_lost, uvicorn_server, exit_code),
                      kwargs={"failed": lambda: server.failed},
                      name="ninfer-watch", daemon=True).start()
-    uvicorn_server.run()
+    try:
+        uvicorn_server.run()
+    except KeyboardInterrupt:   # uvicorn raises the Ctrl+C it handled again once it has
+        log.info("stopped")     # shut down (the journal closed): a stop, not a failure
     if exit_code[0] == EXIT_MODEL_LOST:  # the journal is closed; a process group whose
         logging.shutdown()               # peers are gone cannot be torn down cleanly
         os._exit(EXIT_MODEL_LOST)
