@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import sys
@@ -431,6 +432,11 @@ def build(args: argparse.Namespace):
             recalled = recall_history(server)
             if recalled:
                 log.info("recalled %d conversations from durable endpoints", recalled)
+            # what loading made (the model's modules, the tokenizer, the template, torch's
+            # and the libraries' own objects) lives as long as the server: out of the
+            # cyclic collector's way, whose passes over it stalled every other request for
+            # 5-7 ms at 32K contexts (bench/NOTES.md, stop 42)
+            gc.freeze()
             server.ready = True
             log.info("ready: %s on %s:%s, %.1f s since the process started",
                      server.settings.model_id, args.host, args.port,
@@ -450,6 +456,8 @@ def build(args: argparse.Namespace):
         loader.join(0)
         for item in loaded:
             item.close()
+        gc.unfreeze()   # (what was frozen at ready may go now; left frozen, libraries'
+        #                  bindings report their objects as leaked at exit)
 
     def model_lost() -> str | None:
         """Why the model is lost: the engine stopped on it, or (while idle, before a step
