@@ -55,9 +55,10 @@ def _v1(db: sqlite_utils.Database) -> None:
 
 
 def _v2(db: sqlite_utils.Database) -> None:
-    """Rows from now on pack their long token-id lists (`events.pack_ids`); the rows
-    already there keep their JSON lists, which the decoders still read. Nothing to change:
-    the stamp keeps a build that knows only lists from reading packed ids as characters."""
+    """Rows from now on pack their long lists, token ids and block hashes (`events.pack`);
+    the rows already there keep their JSON lists, which the decoders still read. Nothing to
+    change: the stamp keeps a build that knows only lists from reading packed ones as
+    characters."""
 
 
 # version -> migration from version-1, up to journalfile.SCHEMA_VERSION; each runs in one

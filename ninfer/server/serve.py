@@ -434,8 +434,8 @@ def build(args: argparse.Namespace):
                 log.info("recalled %d conversations from durable endpoints", recalled)
             # what loading made (the model's modules, the tokenizer, the template, torch's
             # and the libraries' own objects) lives as long as the server: out of the
-            # cyclic collector's way, whose passes over it stalled every other request for
-            # 5-7 ms at 32K contexts (bench/NOTES.md, stop 42)
+            # cyclic collector's way, whose full passes over it stalled the engine or the
+            # loop for over 100 ms (bench/NOTES.md, stop 42)
             gc.freeze()
             server.ready = True
             log.info("ready: %s on %s:%s, %.1f s since the process started",
@@ -456,8 +456,9 @@ def build(args: argparse.Namespace):
         loader.join(0)
         for item in loaded:
             item.close()
-        gc.unfreeze()   # (what was frozen at ready may go now; left frozen, libraries'
-        #                  bindings report their objects as leaked at exit)
+        # what was frozen at ready may go now (left frozen, Triton's bindings report
+        # their objects as leaked at exit)
+        gc.unfreeze()
 
     def model_lost() -> str | None:
         """Why the model is lost: the engine stopped on it, or (while idle, before a step
