@@ -19,7 +19,7 @@ conversation of its own. Turn 2 is timed two ways:
 - host side, by calling the server's own functions on the same request just before it is
   sent: JSON parsing and validation, the template render, the tokenising as served (the
   history's encoder), the anchors' prefix renders, the submit check, hashing the prompt's
-  blocks and encoding its journal row (its token ids packed, `events.pack_ids`).
+  blocks and encoding its journal row (its token ids packed, `events.pack`).
 
 The times are each stage's best over the repeats (the counts: medians); the table has one
 column per size.

@@ -275,7 +275,6 @@ _encode = _one_shot(_JSON)   # every journal row's payload (the engine writes on
 PACKINGS = {"packed u32": ("u32le:", "I"),    # token ids (`facts.TokenIds`)
             "packed u64": ("u64le:", "Q")}    # block hashes (`facts.BlockHashes`)
 _BY_PREFIX = {prefix: code for prefix, code in PACKINGS.values()}
-PACKED_IDS = PACKINGS["packed u32"][0]
 
 
 def pack(values: tuple[int, ...], tag: str = "packed u32") -> str:
@@ -288,11 +287,6 @@ def pack(values: tuple[int, ...], tag: str = "packed u32") -> str:
     if sys.byteorder != "little":
         packed.byteswap()
     return prefix + base64.b64encode(packed.tobytes()).decode("ascii")
-
-
-def pack_ids(ids: tuple[int, ...]) -> str:
-    """Token ids packed (`pack`)."""
-    return pack(ids, "packed u32")
 
 
 def token_ids(value: Any) -> tuple[int, ...] | None:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-SCHEMA_VERSION = 2   # 2: long token-id lists packed (`events.pack_ids`)
+SCHEMA_VERSION = 2   # 2: long lists packed in rows (`events.pack`)
 APPLICATION = "ninfer"
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 _WAL_MAGIC = (0x377F0682, 0x377F0683)

@@ -89,7 +89,7 @@ def test_rows_are_the_events_undecoded(journal):
         assert [r.decode(row) for row in rows] == [e for e in events
                                                    if e.kind == "RequestQueued"]
         # the raw row packs its token ids (schema version 2)
-        assert json.loads(rows[0][5])["tokens"] == ev.pack_ids((1, 2, 3, 0))
+        assert json.loads(rows[0][5])["tokens"] == ev.pack((1, 2, 3, 0))
         assert ev.token_ids(json.loads(rows[0][5])["tokens"]) == (1, 2, 3, 0)
         lean = list(r.rows(kinds=("RequestQueued",), lean=True))
         assert [row[:5] for row in lean] == [row[:5] for row in rows]
