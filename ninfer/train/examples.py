@@ -248,20 +248,22 @@ def renamed(functions: Sequence[Function], rng: random.Random,
     ("monthdayscalendar" as "monthdayscalm", bench/NOTES.md, stop 41). A recombined name
     that is one of these functions' real names is drawn on."""
     real = {fn.name for fn in functions} | {p.name for fn in functions for p in fn.params}
-    out, taken = [], set()
-    for fn in functions:
-        name = _made_identifier(rng, rng.randint(1, 2) if not pieces else 2, pieces)
-        while name in taken or (pieces and name in real):
+    # with pieces, a recombined real name is as bad as a name already taken
+    barred = real if pieces else set()
+
+    def fresh(words: int, taken: set[str]) -> str:
+        name = _made_identifier(rng, words, pieces)
+        while name in taken or name in barred:
             name += rng.choice(_SYLLABLES) if not pieces else "_" + rng.choice(pieces)
         taken.add(name)
-        params, used = [], set()
-        for p in fn.params:
-            pname = _made_identifier(rng, 1, pieces)
-            while pname in used or (pieces and pname in real):
-                pname += rng.choice(_SYLLABLES) if not pieces else "_" + rng.choice(pieces)
-            used.add(pname)
-            params.append(p._replace(name=pname))
-        out.append(fn._replace(name=name, qualname=name, params=tuple(params)))
+        return name
+
+    out, names = [], set()
+    for fn in functions:
+        name = fresh(rng.randint(1, 2) if not pieces else 2, names)
+        used: set[str] = set()
+        params = tuple(p._replace(name=fresh(1, used)) for p in fn.params)
+        out.append(fn._replace(name=name, qualname=name, params=params))
     return out
 
 
