@@ -124,6 +124,27 @@ def test_a_few_steps_lower_the_loss_and_write_a_report(trained, slice_corpus):
     assert report["settings"]["seed"] == 0 and report["config"]["model_type"] == "qwen3_5_text"
 
 
+def test_the_report_says_whether_its_windows_cut_chats_off_their_tools(slice_corpus,
+                                                                        tmp_path,
+                                                                        monkeypatch):
+    """`whole_chats` reaches the windows (they get the chats' spans) and the report: with
+    windows longer than a conversation's way to its call none is cut off; drawn anywhere,
+    some are."""
+    given = []
+    real = loop.Windows
+    monkeypatch.setattr(loop, "Windows", lambda *a, **kw: (given.append(a[3:]), real(*a))[1])
+    shares = {}
+    for whole in (True, False):
+        settings = dataclasses.replace(SMOKE, steps=1, seq_len=512, eval_every=0,
+                                       checkpoint_every=0, whole_chats=whole)
+        report = loop.train(slice_corpus, tmp_path / f"{whole}.ninfer", settings=settings,
+                            config_overrides=smoke_shape(), progress=False)
+        shares[whole] = report["corpus"]["tool_calls_cut_off"]
+    assert shares[True] < 0.05 < shares[False]
+    (whole_chats,), (anywhere,) = given
+    assert whole_chats is not None and len(whole_chats[0]) > 0 and anywhere is None
+
+
 def test_the_written_file_loads_and_answers_a_prompt(trained):
     out, report, _ = trained
     [checkpoint] = report["checkpoints"]
