@@ -40,7 +40,9 @@ def _window(x_row, tail_row, s_xc, s_xt, s_tc, offs_c, mc, live_c, w, T, KM1: tl
     return tl.where(in_tail, from_tail.to(tl.float32), from_x.to(tl.float32))
 
 
-@triton.jit
+# T (a step's tokens per row) follows the request, so it is not specialised on being 1 or a
+# multiple of 16: a next turn of an odd length met a kernel the warm-up had not compiled
+@triton.jit(do_not_specialize=["T"])
 def _conv_update_kernel(
     x_ptr, state_ptr, w_ptr, bias_ptr, idx_ptr, out_idx_ptr, y_ptr, tail_ptr,
     C, T,

@@ -94,8 +94,15 @@ def online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, F32_DOT: tl.c
 # `splits` is a runtime value, never specialised: it follows the lane's table capacity and
 # the programs (`_default_splits`), so as a constexpr every context length of a short
 # prefill (a next turn's few tokens: 17 splits at 1K of context, 33 at 4K) compiled a
-# kernel of its own on its first request
-@triton.jit(do_not_specialize=["splits"])
+# kernel of its own on its first request. Nor are the other integers that follow a request
+# rather than the model: the query length T, the block table's row stride (its width) and the
+# log-sum-exps' strides (they follow `splits`). Triton specialises an integer on being 1 or a
+# multiple of 16, so each of them doubled or tripled the kernels a served request could meet
+# after the warm-up (stop 43's H100 run met four new ones on its first requests, ~0.5 s each).
+_PER_REQUEST = ["T", "splits", "s_bt", "s_lb", "s_lt", "s_lh"]
+
+
+@triton.jit(do_not_specialize=_PER_REQUEST)
 def _paged_attn_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, out_ptr, po_ptr, pl_ptr,
     T, qk_scale,
@@ -166,7 +173,7 @@ def _attend_split(q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, po_ptr, pl_ptr, T, qk_sc
         tl.store(pl_ptr + b * s_lb + t_of * s_lt + head * s_lh + i_s, lse, mask=m_row)
 
 
-@triton.jit(do_not_specialize=["splits"])
+@triton.jit(do_not_specialize=_PER_REQUEST[:2] + ["len_add", "s_lb", "s_lt", "s_lh"])
 def _paged_attn_merge_kernel(
     out_ptr, po_ptr, pl_ptr, len_ptr, T, s_len, len_add,
     s_ob, s_ot, s_oh, s_pb, s_pt, s_ph, s_ps, s_lb, s_lt, s_lh,

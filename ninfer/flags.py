@@ -96,6 +96,11 @@ class Flags:
     replays (a benchmark that replays a graph itself needs this). NINFER_ZERO_COPY=0:
     off."""
 
+    split_chunk_attention: bool = True
+    """A prefill chunk after the first takes its attention in two cuDNN calls, over the
+    prefix and over itself, merged by their log-sum-exps (`ninfer.model.chunk_attention`);
+    False: one flash call with the bottom-right causal mask."""
+
     interpret_on_cpu: bool = False
     """The model runs its Triton kernel paths on CPU tensors, in Triton's interpreter
     (TRITON_INTERPRET=1): how the tests reach the GPU path without a GPU

@@ -33,15 +33,20 @@ def _timed(run, n: int) -> dict:
 
 
 def _ninfer(path) -> dict:
+    """The engine at each chunk size; at the served one (the last) also with a chunk's
+    attention as one flash call (`FLAGS.split_chunk_attention` off: the "before")."""
+    from ..flags import override
     from .engine import Bench
     b, r = Bench(str(path), "cuda", "bfloat16"), {}
-    for chunk in CHUNKS:
+    runs = [(chunk, "", True) for chunk in CHUNKS] + [(CHUNKS[-1], "_one_flash_call", False)]
+    for chunk, suffix, split in runs:
         engine = b.engine(prefill_chunk=chunk)
-        for n in SIZES:
-            r[f"ninfer_chunk{chunk}_{n}"] = _timed(
-                lambda e=engine, n=n: b.ttft(e, b.prompt(n), 1), n)
-            print(f"ninfer, chunks of {chunk}, {n} tokens:", r[f"ninfer_chunk{chunk}_{n}"],
-                  file=sys.stderr)
+        with override(split_chunk_attention=split):
+            for n in SIZES:
+                key = f"ninfer_chunk{chunk}{suffix}_{n}"
+                r[key] = _timed(lambda e=engine, n=n: b.ttft(e, b.prompt(n), 1), n)
+                print(f"ninfer, chunks of {chunk}{suffix}, {n} tokens:", r[key],
+                      file=sys.stderr)
     return r
 
 
@@ -66,7 +71,7 @@ def main(json_path: str | None = None) -> int:
     torch.cuda.empty_cache()
     r.update(_transformers(path))
     for n in SIZES:
-        for chunk in CHUNKS:   # > 1: ninfer is faster
+        for chunk in [*CHUNKS, f"{CHUNKS[-1]}_one_flash_call"]:   # > 1: ninfer is faster
             r[f"speedup_chunk{chunk}_{n}"] = (r[f"hf_fla_{n}"]["median_ms"]
                                               / r[f"ninfer_chunk{chunk}_{n}"]["median_ms"])
     write_line({"bench": "gpu-prefill", "results": r}, json_path)

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from kernels import kernels_for, skinny_for
 
+from .chunk_attention import chunk_attention
 from .config import ModelConfig
 from .layers import RMSNorm, apply_rope, compute_dtype, packed_weight
 
@@ -171,19 +172,9 @@ class GatedAttention(nn.Module):
     def _prefill_chunk(self, q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
         """One lane's T consecutive positions ending at the last of keys / values' L (a
         prefill chunk; every caller's positions are consecutive), on the GPU in bf16 /
-        fp16: SDPA with the causal mask aligned to the bottom right (query i sees keys up
-        to L - T + i), which its flash kernel takes without a mask tensor, and with the KV
-        heads shared by their query heads inside the kernel (`enable_gqa`): repeating
-        them for the query heads copied the whole prefix per chunk and layer, 22 of the
-        239 ms of device time of a 32K prefill of anchor-1b on the H200 (bench/NOTES.md).
-        In float32 (the rest of `_attend`) SDPA has no flash kernel and takes its math
-        path."""
-        from torch.nn.attention.bias import causal_lower_right
-        B, T, H, D = q.shape
-        L = keys.shape[1]
+        fp16, by `chunk_attention` (the causal mask aligned to the bottom right: query i
+        sees keys up to L - T + i). In float32 (the rest of `_attend`) SDPA has no flash
+        kernel and takes its math path."""
         k_, v_ = (t.transpose(1, 2) for t in (keys, values))  # [1, Hkv, L, D]
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k_, v_,
-                                             attn_mask=causal_lower_right(T, L),
-                                             scale=D ** -0.5,
-                                             enable_gqa=H != self.num_kv_heads)
+        out = chunk_attention(q.transpose(1, 2), k_, v_, q.shape[-1] ** -0.5)
         return out.transpose(1, 2)  # [1, T, H, D]

@@ -1,0 +1,98 @@
+"""A prefill chunk's attention on the GPU: its T queries over the lane's L keys, the last T of
+which are its own (query i sees keys up to L - T + i).
+
+As one call, that is SDPA with the causal mask aligned to the bottom right, which only
+flash attention takes without a mask tensor: at anchor-1b's heads of 256 it ran at ~300
+TFLOP/s, 87 of the ~230 ms of a 32K prefill on the H100 (bench/NOTES.md, stop 43). Split
+in two, the chunk's queries over the prefix (every key visible, no mask) and over the chunk
+itself (square, causal from the top left, which is the same as the bottom right there), each
+half reaches cuDNN's kernel; the halves are merged by their log-sum-exps. Measured on the
+H100 (bench/attention_split.py): 51 ms for the same prefill, 450-550 TFLOP/s per chunk past
+the first. A chunk with no prefix (L == T) stays one flash call, which is as fast.
+
+`FLAGS.split_chunk_attention` switches the split off (the benchmarks' "before"); a backend
+that refuses it (another card, another torch) is logged once and the whole call is kept.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..flags import FLAGS
+
+log = logging.getLogger("ninfer.model")
+
+# half(q [1, H, T, D], k, v [1, Hkv, S, D], causal, scale) -> (out [1, H, T, D], lse
+# [1, H, T] float32, natural log)
+Half = Callable[[Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor]]
+
+_refused: list[str] = []  # the backend's refusal, once met: the split is not tried again
+
+
+def chunk_attention(q: Tensor, keys: Tensor, values: Tensor, scale: float,
+                    half: Half | None = None) -> Tensor:
+    """q [1, H, T, D] over keys / values [1, Hkv, L, D] (L >= T), causal from the bottom
+    right: [1, H, T, D]. `half`: the split's attention (default cuDNN's on the GPU, none
+    elsewhere)."""
+    T, L = q.shape[2], keys.shape[2]
+    half = half or (cudnn_half if q.is_cuda else None)
+    if L > T and half is not None and FLAGS.split_chunk_attention and not _refused:
+        try:
+            return split_attention(q, keys, values, scale, half)
+        except RuntimeError as exc:  # a card or build whose cuDNN lacks this shape
+            _refused.append(f"{type(exc).__name__}: {exc}"[:300])
+            log.warning("a prefill chunk's attention in two cuDNN halves failed (%s); "
+                        "using one flash call from now on", _refused[0])
+    return whole_attention(q, keys, values, scale)
+
+
+def whole_attention(q: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
+    """One SDPA call with the bottom-right causal mask (flash on the GPU), the KV heads
+    shared by their query heads inside the kernel: [1, H, T, D]."""
+    from torch.nn.attention.bias import causal_lower_right
+    T, L = q.shape[2], keys.shape[2]
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(T, L),
+                                          scale=scale,
+                                          enable_gqa=q.shape[1] != keys.shape[1])
+
+
+def split_attention(q: Tensor, keys: Tensor, values: Tensor, scale: float,
+                    half: Half) -> Tensor:
+    """The chunk over the prefix and over itself by `half`, merged: [1, H, T, D]."""
+    T, L = q.shape[2], keys.shape[2]
+    o1, l1 = half(q, keys[:, :, :L - T], values[:, :, :L - T], False, scale)
+    o2, l2 = half(q, keys[:, :, L - T:], values[:, :, L - T:], True, scale)
+    l1, l2 = (lse.float().reshape(q.shape[:3]) for lse in (l1, l2))
+    top = torch.maximum(l1, l2)  # every row sees at least one key of each half: finite
+    w1, w2 = torch.exp(l1 - top), torch.exp(l2 - top)
+    total = w1 + w2
+    out = o1.float() * (w1 / total)[..., None] + o2.float() * (w2 / total)[..., None]
+    return out.to(q.dtype)
+
+
+def _shared(kv: Tensor, heads: int) -> Tensor:
+    """KV heads repeated for their query heads (query head h reads KV head h // group)."""
+    return kv if kv.shape[1] == heads else kv.repeat_interleave(heads // kv.shape[1], dim=1)
+
+
+def cudnn_half(q: Tensor, k: Tensor, v: Tensor, causal: bool,
+               scale: float) -> tuple[Tensor, Tensor]:
+    """One half by cuDNN's fused attention, with its log-sum-exp."""
+    H = q.shape[1]
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, _shared(k, H), _shared(v, H), None, True, 0.0, causal, False, scale=scale)[:2]
+    return out, lse
+
+
+def cpu_half(q: Tensor, k: Tensor, v: Tensor, causal: bool,
+             scale: float) -> tuple[Tensor, Tensor]:
+    """One half by the CPU's flash attention, with its log-sum-exp (the tests' half)."""
+    H = q.shape[1]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, _shared(k, H), _shared(v, H), 0.0, causal, scale=scale)
+    return out, lse

@@ -1,0 +1,94 @@
+"""A prefill chunk's attention split over the prefix and over the chunk itself, merged by
+log-sum-exps, equals the one bottom-right causal call; a backend that refuses the split is
+given up once, and the whole call answers."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from ninfer.flags import override
+from ninfer.model import chunk_attention as ca
+
+
+def _inputs(T, L, H, Hkv, D=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, H, T, D, generator=g)
+    k = torch.randn(1, Hkv, L, D, generator=g) * 2  # sharp softmaxes: the merge's weights matter
+    v = torch.randn(1, Hkv, L, D, generator=g)
+    return q, k, v
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    ca._refused.clear()
+    yield
+    ca._refused.clear()
+
+
+@pytest.mark.parametrize("T,L,H,Hkv", [(1, 9, 4, 4), (5, 6, 4, 2), (16, 80, 8, 2),
+                                       (33, 100, 4, 1)])
+def test_the_split_equals_the_whole_call(T, L, H, Hkv):
+    q, k, v = _inputs(T, L, H, Hkv)
+    scale = q.shape[-1] ** -0.5
+    want = ca.whole_attention(q, k, v, scale)
+    got = ca.chunk_attention(q, k, v, scale, half=ca.cpu_half)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the whole call itself: query i sees keys up to L - T + i
+    i = T - 1 if T == 1 else T // 2
+    seen = L - T + i + 1
+    kk, vv = (t.repeat_interleave(H // Hkv, dim=1)[:, :, :seen] for t in (k, v))
+    row = torch.softmax(q[:, :, i:i + 1] @ kk.transpose(-1, -2) * scale, dim=-1) @ vv
+    torch.testing.assert_close(want[:, :, i:i + 1], row, rtol=1e-5, atol=1e-5)
+
+
+def test_each_half_weighs_in_by_its_log_sum_exp():
+    """Halves merged by plain averaging, or with one weight dropped, differ from the whole:
+    the merge is what makes the split right."""
+    q, k, v = _inputs(8, 40, 4, 2, seed=3)
+    scale = q.shape[-1] ** -0.5
+    want = ca.whole_attention(q, k, v, scale)
+    o1, _ = ca.cpu_half(q, k[:, :, :32], v[:, :, :32], False, scale)
+    o2, _ = ca.cpu_half(q, k[:, :, 32:], v[:, :, 32:], True, scale)
+    assert (((o1 + o2) / 2) - want).abs().max() > 1e-2
+    assert (o2 - want).abs().max() > 1e-2
+
+
+def test_a_refused_split_is_given_up_once_and_the_whole_call_answers(caplog):
+    calls = []
+
+    def refusing(q, k, v, causal, scale):
+        calls.append(causal)
+        raise RuntimeError("cuDNN: no engine for this graph")
+
+    q, k, v = _inputs(4, 12, 4, 2)
+    scale = q.shape[-1] ** -0.5
+    want = ca.whole_attention(q, k, v, scale)
+    with caplog.at_level(logging.WARNING, logger="ninfer.model"):
+        for _ in range(3):
+            torch.testing.assert_close(ca.chunk_attention(q, k, v, scale, half=refusing), want)
+    assert calls == [False]   # tried once, not per chunk
+    warnings = [r for r in caplog.records if "cuDNN halves failed" in r.getMessage()]
+    assert len(warnings) == 1 and "no engine" in warnings[0].getMessage()
+
+
+def test_no_split_without_a_prefix_or_with_the_switch_off():
+    calls = []
+
+    def counting(q, k, v, causal, scale):
+        calls.append(causal)
+        return ca.cpu_half(q, k, v, causal, scale)
+
+    q, k, v = _inputs(6, 6, 4, 2)
+    ca.chunk_attention(q, k, v, 0.2, half=counting)  # a first chunk: one call as it was
+    q, k, v = _inputs(6, 20, 4, 2)
+    with override(split_chunk_attention=False):
+        ca.chunk_attention(q, k, v, 0.2, half=counting)
+    assert calls == []
+    ca.chunk_attention(q, k, v, 0.2, half=counting)
+    assert calls == [False, True]
+    # on the CPU no half is chosen by default: the whole call
+    torch.testing.assert_close(ca.chunk_attention(q, k, v, 0.2),
+                               ca.whole_attention(q, k, v, 0.2))
