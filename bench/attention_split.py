@@ -7,7 +7,7 @@ mask of the whole does not reach (cuDNN's). Issue 32 item 2: flash attention was
 
     python3 bench/attention_split.py --check          # CPU: the split equals the whole
     python3 bench/attention_split.py --out r.json     # GPU: time the variants
-    python3 bench/attention_split.py --fresh          # GPU: ninfer's call, new shapes' cost
+    python3 bench/attention_split.py --fresh          # GPU: ninfer's split, new shapes' cost
 """
 
 from __future__ import annotations
@@ -121,10 +121,11 @@ def bench(prompt: int, chunk: int, layers: int) -> dict:
 
 
 def fresh_shapes() -> dict:
-    """The product's `chunk_attention` on shapes it has not met: the first call (cuDNN
-    builds a plan per shape) against a repeat. A served prompt's chunks meet new prefix
-    lengths all the time, so a plan's cost would land on first requests."""
-    from ninfer.model.chunk_attention import chunk_attention
+    """The product's split (`ninfer.model.chunk_attention`, cuDNN halves) on shapes it has
+    not met: the first call (cuDNN builds a plan per shape and strides) against a repeat;
+    what `prepare` spends per shape in the warm-up, and what a request would wait for if
+    any shape took the split."""
+    from ninfer.model.chunk_attention import cudnn_half, split_attention
     rows = {}
     for T, L in ((8192, 16384), (8192, 20011), (3001, 11193), (517, 30000), (6000, 14000),
                  (8192, 24576), (8192, 32768)):
@@ -133,7 +134,7 @@ def fresh_shapes() -> dict:
         for _ in range(3):
             torch.cuda.synchronize()
             t = time.perf_counter()
-            chunk_attention(q, k, v, D ** -0.5)
+            split_attention(q, k, v, D ** -0.5, cudnn_half)
             torch.cuda.synchronize()
             times.append((time.perf_counter() - t) * 1e3)
         rows[f"{T}x{L}"] = {"first_ms": times[0], "repeat_ms": min(times[1:])}
@@ -145,7 +146,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="CPU: the split equals the whole")
     p.add_argument("--fresh", action="store_true",
-                   help="GPU: the product's call, first call of new shapes against a repeat")
+                   help="GPU: the product's split, first call of new shapes against a repeat")
     p.add_argument("--prompt", type=int, default=32768)
     p.add_argument("--chunk", type=int, default=8192)
     p.add_argument("--layers", type=int, default=6, help="attention layers (anchor-1b: 6)")

@@ -42,6 +42,9 @@ def _ninfer(path) -> dict:
     for chunk, suffix, split in runs:
         engine = b.engine(prefill_chunk=chunk)
         with override(split_chunk_attention=split):
+            # what the server's warm-up does: the split's shapes prepared (cuDNN's plans)
+            r[f"prepared_chunk{chunk}{suffix}"] = engine.model.prepare_prefill(
+                chunk=chunk, max_context=engine.config.max_context)
             for n in SIZES:
                 key = f"ninfer_chunk{chunk}{suffix}_{n}"
                 r[key] = _timed(lambda e=engine, n=n: b.ttft(e, b.prompt(n), 1), n)

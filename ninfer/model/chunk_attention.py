@@ -10,6 +10,13 @@ half reaches cuDNN's kernel; the halves are merged by their log-sum-exps. Measur
 H100 (bench/attention_split.py): 51 ms for the same prefill, 450-550 TFLOP/s per chunk past
 the first. A chunk with no prefix (L == T) stays one flash call, which is as fast.
 
+Only shapes `prepare` has run take the split. cuDNN builds a plan per shape (a few hundred
+ms, by public reports: sglang's and MLX's cuDNN attention), so a split over any length would
+land that on the first request of each prompt length; `prepare`, run by the warm-up before
+the server says it is ready, builds the plans of a served prompt's whole chunks (T = the
+prefill chunk, the prefix a whole number of chunks), and every other chunk (a prompt's last
+partial chunk, a next turn's delta) stays one flash call.
+
 `FLAGS.split_chunk_attention` switches the split off (the benchmarks' "before"); a backend
 that refuses it (another card, another torch) is logged once and the whole call is kept.
 """
@@ -32,6 +39,8 @@ log = logging.getLogger("ninfer.model")
 Half = Callable[[Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor]]
 
 _refused: list[str] = []  # the backend's refusal, once met: the split is not tried again
+_prepared: set[tuple[int, int]] = set()  # (T, prefix) shapes whose halves `prepare` ran
+MAX_PREPARED = 16  # prefixes of up to this many chunks take the split; longer ones do not
 
 
 def chunk_attention(q: Tensor, keys: Tensor, values: Tensor, scale: float,
@@ -41,14 +50,45 @@ def chunk_attention(q: Tensor, keys: Tensor, values: Tensor, scale: float,
     elsewhere)."""
     T, L = q.shape[2], keys.shape[2]
     half = half or (cudnn_half if q.is_cuda else None)
-    if L > T and half is not None and FLAGS.split_chunk_attention and not _refused:
+    if (T, L - T) in _prepared and half is not None and FLAGS.split_chunk_attention \
+            and not _refused:
         try:
             return split_attention(q, keys, values, scale, half)
         except RuntimeError as exc:  # a card or build whose cuDNN lacks this shape
-            _refused.append(f"{type(exc).__name__}: {exc}"[:300])
-            log.warning("a prefill chunk's attention in two cuDNN halves failed (%s); "
-                        "using one flash call from now on", _refused[0])
+            _refuse(exc)
     return whole_attention(q, keys, values, scale)
+
+
+def _refuse(exc: Exception) -> None:
+    _refused.append(f"{type(exc).__name__}: {exc}"[:300])
+    log.warning("a prefill chunk's attention in two cuDNN halves failed (%s); using one "
+                "flash call from now on", _refused[0])
+
+
+def prepare(*, heads: int, kv_heads: int, head_dim: int, chunk: int, max_context: int,
+            device: torch.device | str, dtype: torch.dtype, half: Half | None = None
+            ) -> list[tuple[int, int]]:
+    """Run the split once on each shape of a served prompt's whole chunks past the first
+    (`chunk` queries over a prefix of k chunks, the prefix and the chunk within
+    `max_context`, k up to MAX_PREPARED), so cuDNN's plans are built now, and from now on
+    those shapes take the split. The shapes prepared; none where no half applies (the CPU
+    by default) or the backend refuses."""
+    device = torch.device(device)
+    half = half or (cudnn_half if device.type == "cuda" else None)
+    if half is None or not FLAGS.split_chunk_attention or _refused or chunk < 2:
+        return []
+    done = []
+    q = torch.zeros(1, heads, chunk, head_dim, device=device, dtype=dtype)
+    for k in range(1, min(MAX_PREPARED, max_context // chunk - 1) + 1):
+        kv = torch.zeros(1, kv_heads, (k + 1) * chunk, head_dim, device=device, dtype=dtype)
+        try:
+            split_attention(q, kv, kv, head_dim ** -0.5, half)
+        except RuntimeError as exc:
+            _refuse(exc)
+            return []
+        _prepared.add((chunk, k * chunk))
+        done.append((chunk, k * chunk))
+    return done
 
 
 def whole_attention(q: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
@@ -84,8 +124,11 @@ def cudnn_half(q: Tensor, k: Tensor, v: Tensor, causal: bool,
                scale: float) -> tuple[Tensor, Tensor]:
     """One half by cuDNN's fused attention, with its log-sum-exp."""
     H = q.shape[1]
+    # contiguous, so a served chunk's tensors have the strides `prepare`'s had: cuDNN's
+    # plans are cached by shape and strides
     out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q, _shared(k, H), _shared(v, H), None, True, 0.0, causal, False, scale=scale)[:2]
+        q.contiguous(), _shared(k, H).contiguous(), _shared(v, H).contiguous(), None, True,
+        0.0, causal, False, scale=scale)[:2]
     return out, lse
 
 

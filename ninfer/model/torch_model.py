@@ -18,6 +18,7 @@ from torch import Tensor
 from kernels import kernels_for
 
 from ..flags import FLAGS
+from . import chunk_attention
 from .attention import ContiguousKV
 from .gdn import GDNState, SlotGDNState, state_dtype
 from .hybrid import HybridModel, HybridState
@@ -486,6 +487,19 @@ class TorchModel:
         return {**counts, "count": sum(counts.values()),
                 "seconds": time.perf_counter() - began,
                 "memory_bytes": torch.cuda.memory_reserved(self.device) - before}
+
+    def prepare_prefill(self, *, chunk: int, max_context: int) -> dict:
+        """Build now what a served prompt's whole prefill chunks would build on first use
+        (the warm-up): cuDNN's plans for the chunk attention's split
+        (`chunk_attention.prepare`). The shapes prepared and the seconds taken."""
+        began = time.perf_counter()
+        c = self.config
+        shapes = chunk_attention.prepare(
+            heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+            chunk=chunk, max_context=max_context, device=self.device, dtype=self.dtype)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return {"shapes": shapes, "seconds": time.perf_counter() - began}
 
     def synchronize(self) -> None:
         """Wait for the engine's work: all of it, but not a step run ahead that nothing

@@ -1,8 +1,10 @@
 """Warm-up before ready: everything a request can hit for the first time is made before
 `/health` says 200, so the first request of each shape costs what a repeat costs.
 
-Two parts, both on the engine thread, timed and logged:
+Three parts, all on the engine thread, timed and logged:
 
+- the chunk attention's cuDNN plans (`TorchModel.prepare_prefill`): a whole prefill chunk
+  over each whole number of chunks before it, the only shapes that then take the split;
 - requests (`planned`), each through the whole engine: a prompt of one whole prefill
   chunk and an unaligned rest, its next turn (a restore, then a delta prefill at an
   unaligned position), a one-token next turn, a half chunk and next turns of a few tokens
@@ -104,6 +106,7 @@ class WarmUp:
     reused: int = 0                # of them, started from a stored state (the next turns)
     requests_s: float = 0.0
     graphs: dict | None = None     # TorchModel.capture_graphs's report (None: no graphs)
+    prefill: dict | None = None    # TorchModel.prepare_prefill's report (None: not run)
     total_s: float = 0.0
     batches: list[tuple[str, float]] = field(default_factory=list)  # (names, seconds)
 
@@ -130,6 +133,18 @@ def warm_up(server, *, verify_tokens: int = 0, full: bool | None = None) -> Warm
     sessions: dict[str, str] = {}   # a next turn continues its first turn's session
     plan = planned(config.prefill_chunk, config.max_context) if full \
         else [[Planned("short", 5, 2)]]
+
+    def prepare(engine):
+        model = engine.model
+        if not full or not hasattr(model, "prepare_prefill"):
+            return None
+        return model.prepare_prefill(chunk=config.prefill_chunk, max_context=config.max_context)
+
+    report.prefill = thread.call(prepare).result(600)
+    if report.prefill and report.prefill["shapes"]:
+        log.info("warm-up: the chunk attention's cuDNN plans for %d shapes (a chunk of %d "
+                 "over whole chunks) built in %.1f s", len(report.prefill["shapes"]),
+                 config.prefill_chunk, report.prefill["seconds"])
     for batch in plan:
         batch_began = time.monotonic()
         handles = []

@@ -1,6 +1,7 @@
 """A prefill chunk's attention split over the prefix and over the chunk itself, merged by
-log-sum-exps, equals the one bottom-right causal call; a backend that refuses the split is
-given up once, and the whole call answers."""
+log-sum-exps, equals the one bottom-right causal call; only the shapes prepared before ready
+take it (a plan built on a request would land on its first request); a backend that refuses
+the split is given up once, and the whole call answers."""
 
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ def _inputs(T, L, H, Hkv, D=32, seed=0):
 @pytest.fixture(autouse=True)
 def _fresh():
     ca._refused.clear()
+    ca._prepared.clear()
     yield
     ca._refused.clear()
+    ca._prepared.clear()
 
 
 @pytest.mark.parametrize("T,L,H,Hkv", [(1, 9, 4, 4), (5, 6, 4, 2), (16, 80, 8, 2),
@@ -34,6 +37,9 @@ def test_the_split_equals_the_whole_call(T, L, H, Hkv):
     q, k, v = _inputs(T, L, H, Hkv)
     scale = q.shape[-1] ** -0.5
     want = ca.whole_attention(q, k, v, scale)
+    got = ca.split_attention(q, k, v, scale, ca.cpu_half)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    ca._prepared.add((T, L - T))  # prepared: the chunk's attention is the split
     got = ca.chunk_attention(q, k, v, scale, half=ca.cpu_half)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # the whole call itself: query i sees keys up to L - T + i
@@ -56,6 +62,43 @@ def test_each_half_weighs_in_by_its_log_sum_exp():
     assert (o2 - want).abs().max() > 1e-2
 
 
+def _counting(calls):
+    def half(q, k, v, causal, scale):
+        calls.append((q.shape[2], k.shape[2], causal))
+        return ca.cpu_half(q, k, v, causal, scale)
+    return half
+
+
+def test_only_the_prepared_shapes_take_the_split():
+    """`prepare` runs a whole chunk over each whole number of chunks (within the context);
+    those shapes split, any other chunk (a last partial one, a next turn's delta at any
+    offset) is one call."""
+    calls = []
+    shapes = ca.prepare(heads=4, kv_heads=2, head_dim=8, chunk=4, max_context=20,
+                        device="cpu", dtype=torch.float32, half=_counting(calls))
+    assert shapes == [(4, 4), (4, 8), (4, 12), (4, 16)]   # prefix + chunk <= 20
+    assert calls == [(4, p, False) if i % 2 == 0 else (4, 4, True)
+                     for p in (4, 8, 12, 16) for i in (0, 1)]
+    calls.clear()
+    for T, L, split in ((4, 12, True), (4, 20, True), (4, 11, False), (3, 11, False),
+                        (4, 4, False), (4, 24, False)):
+        q, k, v = _inputs(T, L, 4, 2)
+        got = ca.chunk_attention(q, k, v, 0.3, half=_counting(calls))
+        assert (len(calls) == 2) == split, (T, L, calls)
+        torch.testing.assert_close(got, ca.whole_attention(q, k, v, 0.3), rtol=1e-5,
+                                   atol=1e-5)
+        calls.clear()
+    # at most MAX_PREPARED prefixes, however long the context
+    assert len(ca.prepare(heads=2, kv_heads=1, head_dim=4, chunk=2, max_context=1000,
+                          device="cpu", dtype=torch.float32, half=ca.cpu_half)) \
+        == ca.MAX_PREPARED
+    # the CPU has no half of its own: nothing prepared, nothing split
+    ca._prepared.clear()
+    assert ca.prepare(heads=4, kv_heads=2, head_dim=8, chunk=4, max_context=20,
+                      device="cpu", dtype=torch.float32) == []
+    assert not ca._prepared
+
+
 def test_a_refused_split_is_given_up_once_and_the_whole_call_answers(caplog):
     calls = []
 
@@ -66,29 +109,34 @@ def test_a_refused_split_is_given_up_once_and_the_whole_call_answers(caplog):
     q, k, v = _inputs(4, 12, 4, 2)
     scale = q.shape[-1] ** -0.5
     want = ca.whole_attention(q, k, v, scale)
+    ca._prepared.add((4, 8))
     with caplog.at_level(logging.WARNING, logger="ninfer.model"):
         for _ in range(3):
             torch.testing.assert_close(ca.chunk_attention(q, k, v, scale, half=refusing), want)
+        # and a refusal while preparing prepares nothing more
+        assert ca.prepare(heads=4, kv_heads=2, head_dim=8, chunk=4, max_context=20,
+                          device="cpu", dtype=torch.float32, half=refusing) == []
     assert calls == [False]   # tried once, not per chunk
     warnings = [r for r in caplog.records if "cuDNN halves failed" in r.getMessage()]
     assert len(warnings) == 1 and "no engine" in warnings[0].getMessage()
+    ca._refused.clear()
+    calls.clear()
+    assert ca.prepare(heads=4, kv_heads=2, head_dim=8, chunk=4, max_context=20,
+                      device="cpu", dtype=torch.float32, half=refusing) == []
+    assert calls == [False]
 
 
-def test_no_split_without_a_prefix_or_with_the_switch_off():
+def test_no_split_with_the_switch_off():
     calls = []
-
-    def counting(q, k, v, causal, scale):
-        calls.append(causal)
-        return ca.cpu_half(q, k, v, causal, scale)
-
-    q, k, v = _inputs(6, 6, 4, 2)
-    ca.chunk_attention(q, k, v, 0.2, half=counting)  # a first chunk: one call as it was
-    q, k, v = _inputs(6, 20, 4, 2)
+    q, k, v = _inputs(6, 18, 4, 2)
+    ca._prepared.add((6, 12))
     with override(split_chunk_attention=False):
-        ca.chunk_attention(q, k, v, 0.2, half=counting)
+        ca.chunk_attention(q, k, v, 0.2, half=_counting(calls))
+        assert ca.prepare(heads=4, kv_heads=2, head_dim=8, chunk=6, max_context=30,
+                          device="cpu", dtype=torch.float32, half=_counting(calls)) == []
     assert calls == []
-    ca.chunk_attention(q, k, v, 0.2, half=counting)
-    assert calls == [False, True]
+    ca.chunk_attention(q, k, v, 0.2, half=_counting(calls))
+    assert [c[2] for c in calls] == [False, True]
     # on the CPU no half is chosen by default: the whole call
     torch.testing.assert_close(ca.chunk_attention(q, k, v, 0.2),
                                ca.whole_attention(q, k, v, 0.2))

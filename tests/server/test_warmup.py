@@ -58,6 +58,28 @@ def test_the_full_warm_up_runs_each_planned_request_and_leaves_nothing(spec):
     assert not h.engine.store.endpoints and h.engine.blocks.free == h.engine.blocks.num_blocks
 
 
+def test_the_full_warm_up_prepares_the_prefill_chunks_before_its_requests():
+    """The chunk attention's plans (`TorchModel.prepare_prefill`) are built for the
+    server's chunk and context before any warm-up request runs, and reported; the short
+    warm-up (the CPU's) prepares nothing."""
+    h, server = _server(EngineConfig(max_concurrency=2, prefill_chunk=32, max_context=512))
+    calls = []
+
+    def prepare_prefill(*, chunk, max_context):
+        calls.append((chunk, max_context, h.engine.steps))
+        return {"shapes": [(32, 32)], "seconds": 0.0}
+
+    h.engine.model.prepare_prefill = prepare_prefill
+    report = warm_up(server, full=True)
+    assert calls == [(32, 512, calls[0][2])] and report.prefill["shapes"] == [(32, 32)]
+    steps_before = calls[0][2]
+    assert h.engine.steps > steps_before + report.requests   # every request came after
+    calls.clear()
+    server.boot = 2   # (another start's request ids)
+    assert warm_up(server, full=False).prefill is None and calls == []
+    server.thread.stop()
+
+
 def test_a_small_context_leaves_out_the_turns_that_would_not_fit():
     h, server = _server(EngineConfig(max_concurrency=2, prefill_chunk=16, max_context=48))
     report = warm_up(server, full=True)
