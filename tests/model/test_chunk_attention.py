@@ -140,3 +140,24 @@ def test_no_split_with_the_switch_off():
     # on the CPU no half is chosen by default: the whole call
     torch.testing.assert_close(ca.chunk_attention(q, k, v, 0.2),
                                ca.whole_attention(q, k, v, 0.2))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_the_cudnn_split_of_a_prepared_chunk_equals_the_flash_call():
+    """anchor-1b's heads (8 of 256 over 2 KV heads), bf16: a prepared shape takes the
+    cuDNN halves and agrees with one flash call to bf16's rounding; one not prepared is
+    the flash call itself."""
+    shapes = ca.prepare(heads=8, kv_heads=2, head_dim=256, chunk=1024, max_context=4096,
+                        device="cuda", dtype=torch.bfloat16)
+    assert shapes == [(1024, 1024), (1024, 2048)] and not ca._refused
+    for T, L in ((1024, 2048), (1024, 3072)):
+        g = torch.Generator(device="cuda").manual_seed(L)
+        q = torch.randn(1, 8, T, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+        k, v = (torch.randn(1, 2, L, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+                for _ in range(2))
+        want = ca.whole_attention(q, k, v, 256 ** -0.5)
+        got = ca.chunk_attention(q, k, v, 256 ** -0.5)
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    q = torch.randn(1, 8, 1000, 256, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 2000, 256, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(ca.chunk_attention(q, k, k, 0.0625), ca.whole_attention(q, k, k, 0.0625))
