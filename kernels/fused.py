@@ -206,7 +206,7 @@ def _l2_heads(src, dst, b, t, h, d, m, out, s_b, s_t, s_h, s_d, eps):
     tl.store(dst + out, x * tl.rsqrt(tl.sum(x * x, axis=1) + eps)[:, None], mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # T follows the request (one compile for all)
 def _qk_norm_gates_kernel(q_ptr, k_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, qn_ptr, kn_ptr,
                           beta_ptr, g_ptr, T, s_qb, s_qt, s_qh, s_qd, s_kb, s_kt, s_kh, s_kd,
                           s_bb, s_bt, s_bh, s_ab, s_at, s_ah, eps, HK: tl.constexpr,

@@ -82,6 +82,13 @@ _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
                torch.float32: tl.float32}
 
 
+# a piece's length T and its 64-token chunk count NT follow the request: Triton would
+# specialise each on being 1 or a multiple of 16, so each kernel compiled up to five variants
+# (the warm-up sent a prompt of each class, stop 42) where one serves them all (T and NT only
+# place rows and chunks; the loads' alignment comes from the strides)
+_PER_PIECE = ["T", "NT"]
+
+
 @triton.jit
 def _operand(x, DT: tl.constexpr, EMULATE: tl.constexpr):
     """x as a tl.dot operand of dtype DT. EMULATE (the interpreter with a bfloat16 DT,
@@ -235,7 +242,7 @@ def _store_w_u(x, k, v, w, u, rows, rm, G, b_c, h, kh, s_kt, s_kh, s_vt, s_vh,
         tl.store(up + cols, _operand(u_c, DT, EMULATE).to(DT), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_PIECE)
 def _wy_kernel(k, v, g, beta, chunk_start, chunk_end, g_cum, w, u,
                T, NT, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh,
                HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -389,7 +396,7 @@ def _solve_head(g, beta, g_cum, x_buf, r0, end, h, s_gt, s_gh, s_bt, s_bh,
     _store_tile(xp, rows4, m4, HV * 64, 48 + r, r < 16, x44, EMULATE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_PIECE)
 def _solve_kernel(k, g, beta, chunk_start, chunk_end, g_cum, x_buf,
                   T, NT, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh,
                   HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr,
@@ -406,7 +413,7 @@ def _solve_kernel(k, g, beta, chunk_start, chunk_end, g_cum, x_buf,
                 a11, a21, a22, a31, a32, a33, a41, a42, a43, a44, HV, EMULATE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_PIECE)
 def _wu_kernel(k, v, beta, g_cum, x_buf, chunk_start, chunk_end, w, u,
                T, NT, s_kt, s_kh, s_vt, s_vh, s_bt, s_bh,
                HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -430,7 +437,7 @@ def _wu_kernel(k, v, beta, g_cum, x_buf, chunk_start, chunk_end, w, u,
                HV, DK, DV, BDK, BDV, BK, BV, DT, EMULATE, PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_PIECE)
 def _state_kernel(k, v, beta, w, u, x_buf, g_cum, h_buf, h0, ht, cu, chunk_offsets, T, NT,
                   s_kt, s_kh, s_vt, s_vh, s_bt, s_bh,
                   HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -505,7 +512,7 @@ def _state_kernel(k, v, beta, w, u, x_buf, g_cum, h_buf, h0, ht, cu, chunk_offse
         tl.store(ht + nh.to(tl.int64) * DK * DV + s_off, S, mask=sm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_PIECE)
 def _output_kernel(q, k, u, g_cum, h_buf, o, chunk_start, chunk_end, T, NT,
                    s_qt, s_qh, s_kt, s_kh, scale,
                    HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,

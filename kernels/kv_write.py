@@ -49,7 +49,9 @@ def norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, cols, m, eps, offset, D: tl.conste
     return tl.where(rot, (a + (other * s).to(dt).to(tl.float32)).to(dt), normed)
 
 
-@triton.jit
+# T, the block table's width (s_bt) and the positions' row stride (s_pb = T) follow the
+# request, not the model: never specialised
+@triton.jit(do_not_specialize=["T", "s_bt", "s_pb"])
 def _prologue_kernel(y_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out, k_cache, v_cache,
                      bt_ptr, pos_ptr, T, eps, offset,
                      s_yb, s_yt, s_qb, s_qt, s_qh, s_cb, s_ct, s_kn, s_kp, s_kh,

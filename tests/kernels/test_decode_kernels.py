@@ -446,6 +446,10 @@ _PER_REQUEST_ARGS = {
     "kernels.paged_attention._paged_attn_merge_kernel": ["T", "splits", "len_add", "s_lb",
                                                          "s_lt", "s_lh"],
     "kernels.conv1d._conv_update_kernel": ["T"],
+    "kernels.kv_write._prologue_kernel": ["T", "s_bt", "s_pb"],
+    "kernels.fused._qk_norm_gates_kernel": ["T"],
+    **{f"kernels.gdn_chunk.{name}": ["T", "NT"] for name in (
+        "_wy_kernel", "_solve_kernel", "_wu_kernel", "_state_kernel", "_output_kernel")},
 }
 
 
@@ -454,8 +458,10 @@ def test_a_requests_own_integers_are_never_specialised():
     neither). Arguments that follow the request met classes the warm-up had not: the splits
     as a constexpr compiled a kernel per context length of a next turn, and stop 43's H100
     run still met four new attention and conv kernels on its first requests (the query
-    length, the block table's width and the log-sum-exps' strides), ~0.5 s each. Read from
-    the compiled (not interpreted) JIT functions, in a process of their own."""
+    length, the block table's width and the log-sum-exps' strides), ~0.5 s each; and the
+    GDN prefill's kernels compiled a variant per (T, NT) class the warm-up sent, a cold
+    start's seconds. Read from the compiled (not interpreted) JIT functions, in a process
+    of their own."""
     import json
     import os
     import subprocess
