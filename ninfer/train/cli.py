@@ -52,6 +52,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     corpus.add_argument("--tool-examples", type=int, default=None, metavar="N",
                         help="tool conversations per function usable as a tool (default 6: "
                              "the recipe's)")
+    corpus.add_argument("--near-tools", type=_share, default=0.0, metavar="SHARE",
+                        help="the share of tool examples whose other listed tools come from "
+                             "the target's own module (alike descriptions: the call must "
+                             "follow the request's words; default 0: the recipe's)")
     corpus.set_defaults(func=_corpus)
 
     run = sub.add_parser("run", help="train the model on a built corpus",
@@ -135,7 +139,7 @@ def _corpus(args: argparse.Namespace) -> int:
     out = build(args.out, modules=modules, seed=args.seed,
                 vocab_size=args.vocab_size or VOCAB_SIZE, made_up_tools=args.made_up_tools,
                 tool_examples=args.tool_examples or TOOL_EXAMPLES_PER_FUNCTION,
-                made_up_names=args.made_up_names,
+                made_up_names=args.made_up_names, near_tools=args.near_tools,
                 progress=lambda stage: print(stage, file=sys.stderr, flush=True))
     corpus = Corpus.open(out)
     print(json.dumps({"corpus": str(out), "sha256": corpus.sha256,

@@ -53,6 +53,12 @@ TOOL_EXAMPLES_PER_FUNCTION = 6
 # the recipe: the shipped model was trained without it (bench/NOTES.md, stop 37)
 MADE_UP_TOOLS = 0.0
 MADE_UP_NAMES = ("syllables", "words")   # how they are made (`--made-up-names`)
+# the share of tool examples whose other tools come from the target's module
+# (`--near-tools`): the held-out prompts list tools of 16 modules, one in seven of them the
+# target's own (alike descriptions), where training's random others almost never were (one
+# in eighty); v7w's tool calls failed most by calling another listed tool (bench/NOTES.md,
+# stop 43)
+NEAR_TOOLS = 0.0
 FILES = ("tokenizer.json", "train.bin", "heldout.bin", "heldout.json")
 
 
@@ -100,12 +106,14 @@ def _continuation(text: str) -> str:
 def build(out_dir: str | Path, *, modules: Sequence[str] | None = None, seed: int = 0,
           vocab_size: int = VOCAB_SIZE, made_up_tools: float = MADE_UP_TOOLS,
           tool_examples: int = TOOL_EXAMPLES_PER_FUNCTION, made_up_names: str = "syllables",
-          root: Path | None = None,
+          near_tools: float = NEAR_TOOLS, root: Path | None = None,
           progress: Callable[[str], None] = lambda _: None) -> Path:
     """Build the corpus into `out_dir` (absent or empty). `modules`: only these top-level
     stdlib modules (a slice, for tests, with a smaller `vocab_size`); `root`: another stdlib
     folder. `made_up_names`: "syllables" or "words" (real names' parts recombined,
-    `examples.renamed`). `progress` is told each stage as it starts."""
+    `examples.renamed`). `near_tools`: the share of tool examples listing the target's
+    module's functions (`examples.tool_examples`). `progress` is told each stage as it
+    starts."""
     if made_up_names not in MADE_UP_NAMES:
         raise CorpusError(f"made-up names: one of {', '.join(MADE_UP_NAMES)}")
     out = Path(out_dir)
@@ -128,7 +136,8 @@ def build(out_dir: str | Path, *, modules: Sequence[str] | None = None, seed: in
                               made_up=made_up_tools,
                               naming=random.Random(f"made-up names {seed}"),
                               pieces=ex.name_pieces(pool) if made_up_names == "words"
-                              else None) if pool else []
+                              else None, near=near_tools,
+                              nearby=random.Random(f"near tools {seed}")) if pool else []
     documents = [f.text for f in train_files] + [ex.render(template, c) for c in chats]
     rng.shuffle(documents)
     eval_docstrings, eval_tools = _eval_items(held_fns, rng)
@@ -165,7 +174,8 @@ def build(out_dir: str | Path, *, modules: Sequence[str] | None = None, seed: in
                   **({"made_up_names": made_up_names} if made_up_names != "syllables"
                      else {}),
                   **({"tool_examples_per_function": tool_examples}
-                     if tool_examples != TOOL_EXAMPLES_PER_FUNCTION else {})},
+                     if tool_examples != TOOL_EXAMPLES_PER_FUNCTION else {}),
+                  **({"near_tools": near_tools} if near_tools else {})},
         "seed": seed,
         "files_sha256": joint_sha256(files),
         "counts": {"source_files": len(files), "train_files": len(train_files),

@@ -270,16 +270,24 @@ def renamed(functions: Sequence[Function], rng: random.Random,
 def tool_examples(pool: Sequence[Function], count: int, rng: random.Random,
                   *, complete: bool = True, made_up: float = 0.0,
                   naming: random.Random | None = None,
-                  pieces: Sequence[str] | None = None) -> list[Example]:
+                  pieces: Sequence[str] | None = None, near: float = 0.0,
+                  nearby: random.Random | None = None) -> list[Example]:
     """`count` tool conversations over `pool`: each function in turn as the target (the
     pool shuffled, then cycled), with up to three other functions of distinct names; in a
     share `made_up` of them every listed function is `renamed` (from `pieces` when given).
     Which ones, and their new names, are drawn from `naming` (default: seeded with 0),
     never from `rng`: the other draws, the held-out prompts' after them included, are
-    those of `made_up` 0."""
+    those of `made_up` 0. In a share `near` of them the other functions come from the
+    target's own module where it has enough (methods of one class, functions of one
+    topic: descriptions alike, so the call must follow the request's words), drawn from
+    `nearby` (default: seeded with 0), never from `rng`, as with `naming`."""
     naming = naming or random.Random(0)
+    nearby = nearby or random.Random(0)
     order = list(pool)
     rng.shuffle(order)
+    by_module: dict[str, list[Function]] = {}
+    for fn in order:
+        by_module.setdefault(fn.module, []).append(fn)
     out = []
     for i in range(count):
         target = order[i % len(order)]
@@ -288,7 +296,25 @@ def tool_examples(pool: Sequence[Function], count: int, rng: random.Random,
             if len(others) < wanted and other.name not in names:
                 others.append(other)
                 names.add(other.name)
+        if near and others and nearby.random() < near:
+            others = _neighbours(target, others, by_module[target.module], nearby)
         if made_up and naming.random() < made_up:
             target, *others = renamed([target, *others], naming, pieces)
         out.append(tool_example(target, others, rng, complete=complete))
     return out
+
+
+def _neighbours(target: Function, others: list[Function], module: Sequence[Function],
+                rng: random.Random) -> list[Function]:
+    """As many other functions as `others`, of distinct names, from the target's module
+    first (in a random order), the rest kept from `others`."""
+    names, picked = {target.name}, []
+    for fn in rng.sample(module, len(module)):
+        if len(picked) < len(others) and fn.name not in names:
+            picked.append(fn)
+            names.add(fn.name)
+    for fn in others:
+        if len(picked) < len(others) and fn.name not in names:
+            picked.append(fn)
+            names.add(fn.name)
+    return picked

@@ -237,3 +237,39 @@ def test_an_unknown_way_of_making_names_is_refused_before_anything_is_read(tmp_p
     with pytest.raises(CorpusError, match="made-up names"):
         build(tmp_path / "c", modules=("json",), made_up_names="letters")
     assert not (tmp_path / "c").exists()
+
+
+def test_near_tools_list_the_targets_module_and_draw_nothing_from_the_main_stream():
+    """`near` 1: every example with other tools lists the target's module's functions
+    first (as many as it has, distinct names), the call still the target's; `near` takes
+    its draws from its own stream, so what follows (the held-out prompts) is alike, and
+    `near` 0 is the corpus before it byte for byte."""
+    files = scan(modules=("json", "textwrap", "shlex", "colorsys"))
+    pool = [fn for f in files for fn in functions(f) if ex.usable_as_tool(fn)]
+    module_of = {fn.name: fn.module for fn in pool}
+    by_module: dict[str, set[str]] = {}
+    for fn in pool:
+        by_module.setdefault(fn.module, set()).add(fn.name)
+    rng = random.Random(7)
+    plain = ex.tool_examples(pool, 60, rng)
+    after = rng.random()
+    rng = random.Random(7)
+    assert ex.tool_examples(pool, 60, rng, near=0.0) == plain and rng.random() == after
+    rng = random.Random(7)
+    near = ex.tool_examples(pool, 60, rng, near=1.0)
+    assert rng.random() == after
+    same = spread = 0
+    for chat, before in zip(near, plain, strict=True):
+        names = [t["function"]["name"] for t in chat.tools]
+        call = json.loads(chat.reference)["name"]
+        assert call == json.loads(before.reference)["name"] and call in names
+        assert len(names) == len(before.tools) == len(set(names))
+        others = [n for n in names if n != call]
+        home = by_module[module_of[call]] - {call}
+        # the module's functions come first: as many of the others as it can give
+        assert sum(module_of[n] == module_of[call] for n in others) == min(len(others),
+                                                                           len(home))
+        same += sum(module_of[n] == module_of[call] for n in others)
+        spread += sum(module_of[n] == module_of[call]
+                      for n in (t["function"]["name"] for t in before.tools) if n != call)
+    assert same > 2 * spread   # the plain draw seldom lists a neighbour
