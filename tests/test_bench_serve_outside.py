@@ -73,6 +73,32 @@ def test_decode_and_the_gap_beside_a_prefill_are_measured(results):
         results["prefill_gap_max_ms"] / results["prefill_gap_usual_ms"])
 
 
+def test_decode_through_http_is_held_against_the_bare_engine_of_the_same_run(results):
+    """Each stream count's bare-engine decode (same model, this process, after the servers)
+    beside the HTTP total while every stream decoded, and their ratio (item 4's figure)."""
+    for n in QUICK.streams:
+        assert results[f"engine_decode_tok_s_{n}"] > 0
+        together = results.get(f"decode_together_tok_s_{n}")
+        if together is None:   # (streams that never all ran at once: no ratio)
+            assert f"http_over_engine_{n}" not in results
+            continue
+        assert results[f"http_over_engine_{n}"] == pytest.approx(
+            together / results[f"engine_decode_tok_s_{n}"])
+    assert "decode_together_tok_s_1" in results   # one stream always runs "together"
+
+
+def test_the_together_rate_counts_only_the_window_every_stream_decoded():
+    from types import SimpleNamespace
+
+    from ninfer.bench.serve_probes import together_rate
+    a = SimpleNamespace(arrivals=[0.0, 1.0, 2.0, 3.0, 4.0], completion_tokens=10)  # 2 a delta
+    b = SimpleNamespace(arrivals=[2.0, 2.5, 3.0, 3.5, 9.0], completion_tokens=5)   # 1 a delta
+    # the window (2, 4]: a's deltas at 3 and 4 (4 tokens), b's at 2.5, 3, 3.5 (3 tokens)
+    assert together_rate([a, b]) == pytest.approx(7 / 2)
+    late = SimpleNamespace(arrivals=[5.0, 6.0], completion_tokens=2)
+    assert together_rate([a, late]) is None
+
+
 def test_the_mtp_server_drafted_and_is_compared_with_none(results):
     assert results["mtp_drafted_tokens"] > 0   # read from its /metrics: it really drafted
     for n in QUICK.mtp_streams:
@@ -146,6 +172,7 @@ def test_a_cuda_run_reports_against_the_issue_goals(results, tmp_path, monkeypat
         seen["options"] = options
         return {k: v for k, v in results.items() if k not in ("device", "card")}
     monkeypatch.setattr(serve_outside, "measure", measure)
+    monkeypatch.setattr(serve_outside, "engine_baseline", lambda *args: {})  # (in `results`)
     monkeypatch.setattr(serve_outside, "card_name", lambda device: "h100")
     monkeypatch.chdir(tmp_path)
     (tmp_path / "bench" / "results").mkdir(parents=True)

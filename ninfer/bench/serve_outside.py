@@ -63,7 +63,7 @@ SIZES = {
 TARGETS = {"ready_s": ("<=", 60), "ready_warm_s": ("<=", 15), "first_over_repeat_1024": ("<=", 1.2),
            "first_over_repeat_4096": ("<=", 1.2), "turn2_ttft_ms_4096": ("<=", 15),
            "turn2_ttft_ms_16384": ("<=", 15), "turn2_ttft_ms_32768": ("<=", 15),
-           "prefill_gap_ratio": ("<=", 3)}
+           "prefill_gap_ratio": ("<=", 3), "http_over_engine_8": (">=", 0.9)}
 
 
 def sizes_for(device: str, quick: bool) -> Sizes:
@@ -135,7 +135,12 @@ def rows(results: dict, sizes: Sizes) -> list[tuple]:
         out += [(f"decode_tok_s_{n}", f"decode, {n} streams: total", "tok/s", ",.0f"),
                 (f"decode_per_stream_tok_s_{n}", "  per stream (median)", "tok/s", ",.0f"),
                 (f"decode_gap_ms_median_{n}", "  gap between deltas, median", "ms", ".2f"),
-                (f"decode_gap_ms_p99_{n}", "  gap between deltas, p99", "ms", ".2f")]
+                (f"decode_gap_ms_p99_{n}", "  gap between deltas, p99", "ms", ".2f"),
+                (f"decode_together_tok_s_{n}", "  total while every stream decoded",
+                 "tok/s", ",.0f"),
+                (f"engine_decode_tok_s_{n}", "  the bare engine's decode at that batch",
+                 "tok/s", ",.0f"),
+                (f"http_over_engine_{n}", "  through HTTP / bare engine", "x", ".2f")]
     out += [("prefill_gap_max_ms", f"a stream's largest gap, {sizes.long_prefill} prefilling",
              "ms", ",.1f"),
             ("prefill_gap_usual_ms", "  its usual gap (median before)", "ms", ".2f"),
@@ -221,6 +226,30 @@ def measure(options: list[str], sizes: Sizes, prompts, mtp: bool = True) -> dict
     return results
 
 
+def engine_baseline(model: str | None, device: str, sizes: Sizes, results: dict) -> dict:
+    """The bare engine in this process (no HTTP; after the servers stopped) on the same
+    model, device and dtype: decode tokens/s at each stream count, the prompts prefilled
+    first (`Bench.decode`, best of two: the first run captures its graphs), and through
+    HTTP over it where every stream decoded at once (`decode_together_tok_s_<n>`)."""
+    from ..server.serve import default_dtype
+    from .engine import Bench
+    from .serve_probes import PROMPT_TOKENS
+    bench = Bench(model, device, default_dtype(device))
+    out: dict = {}
+    for n in sizes.streams:
+        out[f"engine_decode_tok_s_{n}"] = max(
+            bench.decode(n, tokens=sizes.decode_tokens, context=PROMPT_TOKENS)["tok_s"]
+            for _ in range(2))
+        together = results.get(f"decode_together_tok_s_{n}")
+        if together is not None:
+            out[f"http_over_engine_{n}"] = together / out[f"engine_decode_tok_s_{n}"]
+    del bench
+    if device.startswith("cuda"):
+        import torch
+        torch.cuda.empty_cache()
+    return out
+
+
 def main(device: str = "cpu", model: str | None = None, quick: bool = False,
          json_path: str | None = None, max_concurrency: int | None = None,
          extra: list[str] | None = None, sizes: Sizes | None = None, mtp: bool = True) -> int:
@@ -235,6 +264,7 @@ def main(device: str = "cpu", model: str | None = None, quick: bool = False,
     lanes = max_concurrency or (max(8, *sizes.streams) if device.startswith("cuda") else 4)
     options = server_options(device, model, sizes, lanes, extra or [])
     results = measure(options, sizes, PromptMaker.for_model(model), mtp)
+    results.update(engine_baseline(model, device, sizes, results))
     card = card_name(device)
     results.update(device=device, card=card, model=model or "default",
                    server_options=options, max_concurrency=lanes,

@@ -119,6 +119,9 @@ class Probes:
                                                                    int(0.99 * len(gaps)))]
             out[f"{prefix}decode_deltas_per_token_{n}"] = (
                 sum(len(r.arrivals) for r in runs) / sum(r.completion_tokens for r in runs))
+            together = together_rate(runs)
+            if together is not None:
+                out[f"{prefix}decode_together_tok_s_{n}"] = together
         return out
 
     def gap_under_prefill(self, long_prompt: int, stream_tokens: int,
@@ -163,3 +166,17 @@ class Probes:
 def _total_rate(runs: list[Timed]) -> float:
     span = max(r.end for r in runs) - min(r.sent for r in runs)
     return sum(r.completion_tokens for r in runs) / span
+
+
+def together_rate(runs: Sequence[Timed]) -> float | None:
+    """Tokens/s in total while every stream was decoding: the deltas that arrived between
+    the last stream's first delta and the first stream's last one, each counted as its
+    stream's tokens per delta, over that window (None where the streams never all ran
+    at once). What the engine's decode at that batch size does, seen through HTTP."""
+    start = max(r.arrivals[0] for r in runs)
+    end = min(r.arrivals[-1] for r in runs)
+    if end <= start:
+        return None
+    tokens = sum(sum(start < t <= end for t in r.arrivals) * r.completion_tokens
+                 / len(r.arrivals) for r in runs)
+    return tokens / (end - start)
