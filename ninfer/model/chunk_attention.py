@@ -39,7 +39,7 @@ log = logging.getLogger("ninfer.model")
 Half = Callable[[Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor]]
 
 _refused: list[str] = []  # the backend's refusal, once met: the split is not tried again
-_prepared: set[tuple[int, int]] = set()  # (T, prefix) shapes whose halves `prepare` ran
+_prepared: set[tuple] = set()  # the shapes whose halves `prepare` ran (`_shape`)
 MAX_PREPARED = 16  # prefixes of up to this many chunks take the split; longer ones do not
 
 
@@ -48,15 +48,21 @@ def chunk_attention(q: Tensor, keys: Tensor, values: Tensor, scale: float,
     """q [1, H, T, D] over keys / values [1, Hkv, L, D] (L >= T), causal from the bottom
     right: [1, H, T, D]. `half`: the split's attention (default cuDNN's on the GPU, none
     elsewhere)."""
-    T, L = q.shape[2], keys.shape[2]
     half = half or (cudnn_half if q.is_cuda else None)
-    if (T, L - T) in _prepared and half is not None and FLAGS.split_chunk_attention \
+    if _shape(q, keys) in _prepared and half is not None and FLAGS.split_chunk_attention \
             and not _refused:
         try:
             return split_attention(q, keys, values, scale, half)
         except RuntimeError as exc:  # a card or build whose cuDNN lacks this shape
             _refuse(exc)
     return whole_attention(q, keys, values, scale)
+
+
+def _shape(q: Tensor, keys: Tensor) -> tuple:
+    """What a plan is built for: (T, the prefix's length, heads, KV heads, head size,
+    dtype, device)."""
+    _, H, T, D = q.shape
+    return T, keys.shape[2] - T, H, keys.shape[1], D, q.dtype, q.device
 
 
 def _refuse(exc: Exception) -> None:
@@ -86,7 +92,7 @@ def prepare(*, heads: int, kv_heads: int, head_dim: int, chunk: int, max_context
         except RuntimeError as exc:
             _refuse(exc)
             return []
-        _prepared.add((chunk, k * chunk))
+        _prepared.add(_shape(q, kv))
         done.append((chunk, k * chunk))
     return done
 

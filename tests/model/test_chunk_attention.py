@@ -39,7 +39,7 @@ def test_the_split_equals_the_whole_call(T, L, H, Hkv):
     want = ca.whole_attention(q, k, v, scale)
     got = ca.split_attention(q, k, v, scale, ca.cpu_half)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    ca._prepared.add((T, L - T))  # prepared: the chunk's attention is the split
+    ca._prepared.add(ca._shape(q, k))  # prepared: the chunk's attention is the split
     got = ca.chunk_attention(q, k, v, scale, half=ca.cpu_half)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # the whole call itself: query i sees keys up to L - T + i
@@ -82,12 +82,17 @@ def test_only_the_prepared_shapes_take_the_split():
     calls.clear()
     for T, L, split in ((4, 12, True), (4, 20, True), (4, 11, False), (3, 11, False),
                         (4, 4, False), (4, 24, False)):
-        q, k, v = _inputs(T, L, 4, 2)
+        q, k, v = _inputs(T, L, 4, 2, D=8)
         got = ca.chunk_attention(q, k, v, 0.3, half=_counting(calls))
         assert (len(calls) == 2) == split, (T, L, calls)
         torch.testing.assert_close(got, ca.whole_attention(q, k, v, 0.3), rtol=1e-5,
                                    atol=1e-5)
         calls.clear()
+    # a plan is for its heads, head size and dtype too
+    for q, k in (_inputs(4, 12, 4, 2, D=16)[:2], _inputs(4, 12, 2, 2, D=8)[:2],
+                 (_inputs(4, 12, 4, 2, D=8)[0].double(), _inputs(4, 12, 4, 2, D=8)[1].double())):
+        ca.chunk_attention(q, k, k, 0.3, half=_counting(calls))
+    assert calls == []
     # at most MAX_PREPARED prefixes, however long the context
     assert len(ca.prepare(heads=2, kv_heads=1, head_dim=4, chunk=2, max_context=1000,
                           device="cpu", dtype=torch.float32, half=ca.cpu_half)) \
@@ -109,7 +114,7 @@ def test_a_refused_split_is_given_up_once_and_the_whole_call_answers(caplog):
     q, k, v = _inputs(4, 12, 4, 2)
     scale = q.shape[-1] ** -0.5
     want = ca.whole_attention(q, k, v, scale)
-    ca._prepared.add((4, 8))
+    ca._prepared.add(ca._shape(q, k))
     with caplog.at_level(logging.WARNING, logger="ninfer.model"):
         for _ in range(3):
             torch.testing.assert_close(ca.chunk_attention(q, k, v, scale, half=refusing), want)
@@ -129,7 +134,7 @@ def test_a_refused_split_is_given_up_once_and_the_whole_call_answers(caplog):
 def test_no_split_with_the_switch_off():
     calls = []
     q, k, v = _inputs(6, 18, 4, 2)
-    ca._prepared.add((6, 12))
+    ca._prepared.add(ca._shape(q, k))
     with override(split_chunk_attention=False):
         ca.chunk_attention(q, k, v, 0.2, half=_counting(calls))
         assert ca.prepare(heads=4, kv_heads=2, head_dim=8, chunk=6, max_context=30,
