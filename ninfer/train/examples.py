@@ -278,7 +278,7 @@ def tool_examples(pool: Sequence[Function], count: int, rng: random.Random,
     Which ones, and their new names, are drawn from `naming` (default: seeded with 0),
     never from `rng`: the other draws, the held-out prompts' after them included, are
     those of `made_up` 0. In a share `near` of them the other functions come from the
-    target's own module where it has enough (methods of one class, functions of one
+    target's own module, as many as it has (methods of one class, functions of one
     topic: descriptions alike, so the call must follow the request's words), drawn from
     `nearby` (default: seeded with 0), never from `rng`, as with `naming`."""
     naming = naming or random.Random(0)
