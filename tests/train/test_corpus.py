@@ -177,20 +177,29 @@ def test_made_up_tools_keep_what_functions_do_and_take_but_no_name_of_theirs():
         assert set(call["arguments"]) <= set(listed[call["name"]]["properties"])
 
 
+def _without_and_with(pool, count: int, seed: int, option: str, share: float):
+    """The tool examples without `option` and with it at `share`, after checking that at 0
+    it draws what the examples before it drew, and that either way the main stream's next
+    draw (the held-out prompts') is the same: the option draws from a stream of its own."""
+    rng = random.Random(seed)
+    plain = ex.tool_examples(pool, count, rng)
+    after = rng.random()
+    rng = random.Random(seed)
+    assert ex.tool_examples(pool, count, rng, **{option: 0.0}) == plain
+    assert rng.random() == after
+    rng = random.Random(seed)
+    changed = ex.tool_examples(pool, count, rng, **{option: share})
+    assert rng.random() == after
+    return plain, changed
+
+
 def test_no_made_up_tools_draws_what_corpora_before_them_drew():
     """`made_up` 0 takes no draw of its own: the corpus the shipped model was trained on
     builds again byte for byte."""
     files = scan(modules=("json", "textwrap"))
     pool = [fn for f in files for fn in functions(f) if ex.usable_as_tool(fn)]
-    rng = random.Random(5)
-    plain = ex.tool_examples(pool, 40, rng)
-    after = rng.random()
-    rng = random.Random(5)
-    assert ex.tool_examples(pool, 40, rng, made_up=0.0) == plain and rng.random() == after
-    rng = random.Random(5)
-    some = ex.tool_examples(pool, 40, rng, made_up=0.5)
+    plain, some = _without_and_with(pool, 40, 5, "made_up", 0.5)
     assert some != plain
-    assert rng.random() == after  # the renaming draws from its own: what follows is alike
 
 
 def test_made_up_names_from_words_recombine_real_names_parts_and_copy_as_listed():
@@ -250,14 +259,7 @@ def test_near_tools_list_the_targets_module_and_draw_nothing_from_the_main_strea
     by_module: dict[str, set[str]] = {}
     for fn in pool:
         by_module.setdefault(fn.module, set()).add(fn.name)
-    rng = random.Random(7)
-    plain = ex.tool_examples(pool, 60, rng)
-    after = rng.random()
-    rng = random.Random(7)
-    assert ex.tool_examples(pool, 60, rng, near=0.0) == plain and rng.random() == after
-    rng = random.Random(7)
-    near = ex.tool_examples(pool, 60, rng, near=1.0)
-    assert rng.random() == after
+    plain, near = _without_and_with(pool, 60, 7, "near", 1.0)
     same = spread = 0
     for chat, before in zip(near, plain, strict=True):
         names = [t["function"]["name"] for t in chat.tools]
