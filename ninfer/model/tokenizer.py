@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import codecs
 import json
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -162,6 +163,50 @@ class Tokenizer:
         on its event loop: 56K tokens of code took 135 ms on this machine's CPU, during
         which the engine thread could hardly step). The same ids in the same time."""
         return self._backend.encode_batch([text], add_special_tokens=False)[0].ids
+
+    @cached_property
+    def _added_pattern(self) -> re.Pattern | None:
+        """The added tokens as they are found in a text (the longest at a position first),
+        where each splits the text into parts encoded on their own; None where an added
+        token strips, is normalised or must be a whole word (the parts are then not
+        independent)."""
+        tokens = list(self._added.values())
+        if not tokens or any(t.lstrip or t.rstrip or t.single_word or t.normalized
+                             for t in tokens):
+            return None
+        contents = sorted({t.content for t in tokens}, key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, contents)))
+
+    def encode_head(self, head: str, text: str, ids: Sequence[int]) -> list[int]:
+        """`encode(head)` for a head of `text`, whose `encode` is `ids`, encoding only the
+        head's part after its last added token: added tokens split a text into parts
+        encoded on their own, so up to that token the head's ids are `ids`' own. A chat
+        prompt's message boundaries are found so (`render_chat`): encoding each head whole
+        cost a cold long prompt several times its own encoding."""
+        pattern = self._added_pattern
+        if pattern is None or not text.startswith(head):
+            return self.encode(head)
+        found = list(pattern.finditer(head))
+        if not found:
+            return self.encode(head)
+        last = found[-1]
+        # the added tokens from there to the text's end (the first of them the same one:
+        # a longer token running past the head's end would split the text otherwise),
+        # counted back from ids' end
+        further = list(pattern.finditer(text, last.start()))
+        if further[0].span() != last.span():
+            return self.encode(head)
+        after = len(further)
+        for k in range(len(ids) - 1, -1, -1):
+            token = self._added.get(ids[k])
+            if token is not None:
+                after -= 1
+                if after == 0:
+                    if token.content != last.group():
+                        break   # ids that are not `encode(text)`'s
+                    rest = head[last.end():]
+                    return [*ids[:k + 1], *(self.encode(rest) if rest else ())]
+        return self.encode(head)
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -102,7 +102,8 @@ async def count_tokens(request: Request):
     server: Server = request.app.state.server
     try:
         _, _, turn = await _read(request, CountTokensRequest)
-        ids = render_chat(server, turn.request, lambda t: encode(server.tokenizer, t)).ids
+        ids = render_chat(server, turn.request, lambda t: encode(server.tokenizer, t),
+                          plain=True).ids
     except Exception as exc:  # every failure gets its answer, counted
         return _refused(server, exc)
     server.metrics.response(200)

@@ -79,6 +79,13 @@ def encode(tokenizer: Tokenizer, text: str) -> list[int]:
         raise bad_request(f"text cannot be tokenized: {exc}") from None
 
 
+def encode_head(tokenizer: Tokenizer, head: str, text: str, ids: Sequence[int]) -> list[int]:
+    try:
+        return tokenizer.encode_head(head, text, ids)
+    except Exception as exc:  # (as `encode`: text the tokenizer refuses)
+        raise bad_request(f"text cannot be tokenized: {exc}") from None
+
+
 def pinned_encoder(encode_text: Callable[[str], list[int]], pinned: Sequence[PinnedText]
                    ) -> Callable[[str], list[int]]:
     """An `encode(text)` that encodes each pinned span, where its text occurs (in order,
@@ -155,9 +162,11 @@ def sampling_params(sampling: Sampling, prompt_len: int, settings: Settings,
 
 
 def render_chat(server: Server, request: UnifiedRequest,
-                encode_text: Callable[[str], list[int]]) -> Rendered:
+                encode_text: Callable[[str], list[int]], plain: bool = False) -> Rendered:
     """The prompt text and ids, the message boundaries near its end and the end of its
-    shared prefix."""
+    shared prefix. `plain`: `encode_text` is the tokenizer's own encoding (no pinned ids,
+    no remembered conversation), so each boundary's head is encoded from the prompt's ids
+    and its last part (`Tokenizer.encode_head`), not whole."""
     messages = request.template_messages()
     tools = request.template_tools()
     try:
@@ -182,7 +191,8 @@ def render_chat(server: Server, request: UnifiedRequest,
             continue
         if not prefix or not text.startswith(prefix):
             continue
-        head = encode_text(prefix)
+        head = encode_head(server.tokenizer, prefix, text, ids) if plain \
+            else encode_text(prefix)
         if 0 < len(head) < len(ids) and ids[:len(head)] == head:
             offsets[i] = len(head)
     shared = offsets.get(system, 0) if (system or tools) else 0
@@ -226,7 +236,8 @@ async def start(server: Server, request: UnifiedRequest, *, headers, api_key: st
     if request.chat:
         base = pinned_encoder(lambda t: encode(server.tokenizer, t), request.pinned)
         encode_text = server.history.encoder(base, tenant, session)
-        text, ids, boundaries, shared = render_chat(server, request, encode_text)
+        text, ids, boundaries, shared = render_chat(
+            server, request, encode_text, plain=encode_text is base and not request.pinned)
         thinking = opens_thinking(text)
         parser = OutputParser(thinking=thinking, tools=request.parses_tools)
     else:

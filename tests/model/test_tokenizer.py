@@ -133,3 +133,37 @@ def test_encoding_a_long_text_lets_other_threads_run(tok):
     worker.join()
     assert done and done[0][:len(tok.encode(TEXTS[2]))] == tok.encode(TEXTS[2])
     assert during > alone / 5, (during, alone)
+
+
+@pytest.mark.parametrize("which", ["tiny", "default"])
+def test_a_heads_ids_are_those_of_encoding_it_whole(tiny_dir, which):
+    """`encode_head(head, text, encode(text))` equals `encode(head)` for every head of
+    texts mixing added tokens, multi-byte characters, spaces and newlines, cut anywhere
+    (inside an added token and inside a character's pieces too)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    if which == "tiny":
+        tok = Tokenizer.from_dir(tiny_dir)
+    else:
+        from ninfer.model.runtime import open_model
+        tok = open_model(None, kv_capacity=64, num_slots=1).tokenizer
+    assert tok._added_pattern is not None
+    added = sorted(tok.added_tokens.values())
+    pieces = st.sampled_from([*added, "\n", " ", "  ", "e\u0301", "é", "日本", "😀", "def f(x):",
+                              "<", ">", "|", "im_end", "think", "_call", "ab", "\t"])
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.lists(pieces, max_size=24), st.data())
+    def check(parts, data):
+        text = "".join(parts)
+        ids = tok.encode(text)
+        cut = data.draw(st.integers(0, len(text)))
+        head = text[:cut]
+        assert tok.encode_head(head, text, ids) == tok.encode(head), (text, cut)
+
+    check()
+    text = "<|im_start|>system\nhi<|im_end|>\n<|im_start|>user\n" + "word " * 400 + "<|im_end|>\n"
+    ids = tok.encode(text)
+    head = text[:text.rindex("<|im_end|>") + len("<|im_end|>\n")]
+    assert tok.encode_head(head, text, ids) == tok.encode(head)
