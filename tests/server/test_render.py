@@ -59,3 +59,43 @@ def test_heads_from_the_prompts_ids_give_what_encoding_them_whole_gives(live, me
     assert slow.boundaries   # (the case has boundaries to find)
     # the fast one encoded the prompt once and only heads' last parts besides
     assert calls == [slow.text] and encoded_slow > len(slow.text)
+
+
+def test_a_long_cold_prompt_renders_off_the_event_loop(live, monkeypatch):
+    """A cold prompt of RENDER_OFF_LOOP_CHARS or more is rendered and tokenized in a worker
+    thread (the loop goes on streaming others' tokens); a short one, and any prompt read
+    with a remembered conversation, on the loop itself. Either way it is answered."""
+    import asyncio
+
+    import httpx
+
+    from ninfer.server import submission
+    seen: list[tuple[bool, bool]] = []
+    real = submission.render_chat
+
+    def spy(server, request, encode_text, plain=False):
+        try:
+            asyncio.get_running_loop()
+            on_loop = True
+        except RuntimeError:
+            on_loop = False
+        seen.append((on_loop, plain))
+        return real(server, request, encode_text, plain)
+
+    monkeypatch.setattr(submission, "render_chat", spy)
+    monkeypatch.setattr(submission, "RENDER_OFF_LOOP_CHARS", 400)
+
+    def ask(messages, session):
+        r = httpx.post(f"{live.url}/v1/chat/completions", timeout=60,
+                       headers={"X-Session-Id": session},
+                       json={"model": live.server.settings.model_id, "messages": messages,
+                             "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"]
+
+    long = [{"role": "user", "content": "tell me about trains " * 30}]   # 630 characters
+    reply = ask(long, "render-off-loop")
+    ask([{"role": "user", "content": "hi"}], "render-short")
+    ask([*long, {"role": "assistant", "content": reply}, {"role": "user", "content": "more"}],
+        "render-off-loop")
+    assert seen == [(False, True), (True, True), (True, False)]
