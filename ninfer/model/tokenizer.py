@@ -191,17 +191,19 @@ class Tokenizer:
             return self.encode(head)
         last = found[-1]
         # the added tokens from there to the text's end (the first of them the same one:
-        # a longer token running past the head's end would split the text otherwise),
-        # counted back from ids' end
+        # a longer token running past the head's end would split the text otherwise)
         further = list(pattern.finditer(text, last.start()))
         if further[0].span() != last.span():
             return self.encode(head)
-        after = len(further)
-        for k in range(len(ids) - 1, -1, -1):
+        # that token's place in ids: counted from ids' nearer end (a system prompt's head
+        # is near the start, a last message's near the end)
+        order = range(len(ids)) if len(found) <= len(further) else range(len(ids) - 1, -1, -1)
+        left = min(len(found), len(further))
+        for k in order:
             token = self._added.get(ids[k])
             if token is not None:
-                after -= 1
-                if after == 0:
+                left -= 1
+                if left == 0:
                     if token.content != last.group():
                         break   # ids that are not `encode(text)`'s
                     rest = head[last.end():]
