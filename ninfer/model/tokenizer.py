@@ -190,22 +190,21 @@ class Tokenizer:
         if not found:
             return self.encode(head)
         last = found[-1]
-        # the added tokens from there to the text's end (the first of them the same one:
-        # a longer token running past the head's end would split the text otherwise)
-        further = list(pattern.finditer(text, last.start()))
-        if further[0].span() != last.span():
-            return self.encode(head)
-        # that token's place in ids: counted from ids' nearer end (a system prompt's head
-        # is near the start, a last message's near the end)
-        order = range(len(ids)) if len(found) <= len(further) else range(len(ids) - 1, -1, -1)
-        left = min(len(found), len(further))
+        # that token's place in ids, counted from ids' nearer end (a system prompt's head is
+        # near the start, a last message's near the end): the added tokens up to it, or
+        # from it to the text's end
+        further = sum(1 for _ in pattern.finditer(text, last.start()))
+        order = range(len(ids)) if len(found) <= further else range(len(ids) - 1, -1, -1)
+        left = min(len(found), further)
         for k in order:
             token = self._added.get(ids[k])
             if token is not None:
                 left -= 1
                 if left == 0:
+                    # another token there: a longer added token running past the head's end
+                    # (the text splits otherwise than the head), or ids not `encode(text)`'s
                     if token.content != last.group():
-                        break   # ids that are not `encode(text)`'s
+                        break
                     rest = head[last.end():]
                     return [*ids[:k + 1], *(self.encode(rest) if rest else ())]
         return self.encode(head)

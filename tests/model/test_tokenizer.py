@@ -165,5 +165,32 @@ def test_a_heads_ids_are_those_of_encoding_it_whole(tiny_dir, which):
     check()
     text = "<|im_start|>system\nhi<|im_end|>\n<|im_start|>user\n" + "word " * 400 + "<|im_end|>\n"
     ids = tok.encode(text)
-    head = text[:text.rindex("<|im_end|>") + len("<|im_end|>\n")]
+    for head in (text[:text.rindex("<|im_end|>") + len("<|im_end|>\n")],   # near the end
+                 text[:text.index("<|im_end|>") + len("<|im_end|>\n")]):   # near the start
+        encoded: list[str] = []
+        whole = tok.encode
+        tok.encode = lambda t, into=encoded, whole=whole: (into.append(t), whole(t))[1]
+        try:
+            assert tok.encode_head(head, text, ids) == whole(head)
+        finally:
+            del tok.encode
+        assert encoded == ["\n"]   # only the part after the head's last added token
+
+
+def test_a_head_ending_where_a_longer_added_token_starts_is_encoded_whole(tiny_dir):
+    """With an added token that begins with another ("<think>\n" and "<think>"), a head
+    ending in the shorter one splits otherwise than the text that goes on with the longer:
+    its ids are not the text's, and `encode_head` encodes it whole."""
+    import json as json_
+
+    data = json_.loads((tiny_dir / "tokenizer.json").read_text())
+    new_id = max(t["id"] for t in data["added_tokens"]) + 1
+    data["added_tokens"].append({"id": new_id, "content": "<think>\n", "single_word": False,
+                                 "lstrip": False, "rstrip": False, "normalized": False,
+                                 "special": False})
+    tok = Tokenizer(json_.dumps(data), {}, source="test")
+    text = "a<|im_end|>b <think>\nreasoning"
+    head = "a<|im_end|>b <think>"
+    ids = tok.encode(text)
+    assert new_id in ids and tok.encode(head) != ids[:len(tok.encode(head))]
     assert tok.encode_head(head, text, ids) == tok.encode(head)
