@@ -30,41 +30,21 @@ def whole(q, k, v):
                                           scale=D ** -0.5, enable_gqa=True)
 
 
-def _repeat(t):
-    return t.repeat_interleave(H // t.shape[1], dim=1)
-
-
-def _with_lse(q, k, v, causal: bool, backend: str):
-    """(out [1, H, T, D], lse [1, H, T] float32) of one half."""
-    scale = D ** -0.5
-    if backend == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, _repeat(k), _repeat(v), 0.0, causal, scale=scale)
-        return out, lse
-    if backend == "flash":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, causal, False, scale=scale)[:2]
-        return out, lse
-    if backend == "cudnn":
-        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, _repeat(k), _repeat(v), None, True, 0.0, causal, False, scale=scale)[:2]
-        return out, lse
-    raise ValueError(backend)
+def _flash_half(q, k, v, causal, scale):
+    """One half by flash attention (the KV heads shared inside the kernel), with its LSE."""
+    return torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, causal, False, scale=scale)[:2]
 
 
 def split(q, k, v, backend: str):
-    """The chunk over the prefix (all of it visible) and over itself (square causal), merged."""
+    """The product's split (`ninfer.model.chunk_attention.split_attention`) with the
+    backend's halves: the chunk over the prefix (all of it visible) and over itself."""
+    from ninfer.model.chunk_attention import cpu_half, cudnn_half, split_attention
+    half = {"cpu": cpu_half, "flash": _flash_half, "cudnn": cudnn_half}[backend]
     T, L = q.shape[2], k.shape[2]
-    mine = _with_lse(q, k[:, :, L - T:], v[:, :, L - T:], True, backend)
     if L == T:
-        return mine[0]
-    prefix = _with_lse(q, k[:, :, :L - T], v[:, :, :L - T], False, backend)
-    (o1, l1), (o2, l2) = prefix, mine
-    l1, l2 = l1.float().reshape(o1.shape[:3]), l2.float().reshape(o2.shape[:3])
-    top = torch.maximum(l1, l2)
-    w1, w2 = torch.exp(l1 - top), torch.exp(l2 - top)
-    out = (o1.float() * w1[..., None] + o2.float() * w2[..., None]) / (w1 + w2)[..., None]
-    return out.to(q.dtype)
+        return half(q, k, v, True, D ** -0.5)[0]
+    return split_attention(q, k, v, D ** -0.5, half)
 
 
 def _inputs(T, L, device, dtype, seed=0):

@@ -173,7 +173,7 @@ def _attend_split(q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, po_ptr, pl_ptr, T, qk_sc
         tl.store(pl_ptr + b * s_lb + t_of * s_lt + head * s_lh + i_s, lse, mask=m_row)
 
 
-@triton.jit(do_not_specialize=_PER_REQUEST[:2] + ["len_add", "s_lb", "s_lt", "s_lh"])
+@triton.jit(do_not_specialize=["T", "splits", "len_add", "s_lb", "s_lt", "s_lh"])
 def _paged_attn_merge_kernel(
     out_ptr, po_ptr, pl_ptr, len_ptr, T, s_len, len_add,
     s_ob, s_ot, s_oh, s_pb, s_pt, s_ph, s_ps, s_lb, s_lt, s_lh,

@@ -97,9 +97,10 @@ class Flags:
     off."""
 
     split_chunk_attention: bool = True
-    """A prefill chunk after the first takes its attention in two cuDNN calls, over the
-    prefix and over itself, merged by their log-sum-exps (`ninfer.model.chunk_attention`);
-    False: one flash call with the bottom-right causal mask."""
+    """A prefill chunk of a shape the warm-up prepared (a whole chunk over whole chunks)
+    takes its attention in two cuDNN calls, over the prefix and over itself, merged by their
+    log-sum-exps (`ninfer.model.chunk_attention`); False: one flash call with the
+    bottom-right causal mask, and nothing prepared."""
 
     interpret_on_cpu: bool = False
     """The model runs its Triton kernel paths on CPU tensors, in Triton's interpreter
