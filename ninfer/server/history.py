@@ -5,7 +5,8 @@ A model's output ids are not always the tokenizer's own encoding of their text (
 model's almost never are; real models' sometimes), and re-encoding the history would then
 lose the reuse of everything after the first difference. So per (tenant, session) the server
 remembers, for each of the conversation's branches (as the store keeps one private endpoint
-per branch), the last request's prompt and prompt + output, both as text and ids; a new
+per branch), the last request's prompt and prompt + output, both as text and ids, and the
+longest text the branch had reached before that request (what a retry of it starts with); a new
 prompt whose text starts with one of them is encoded as those ids + the encoding of the rest.
 The splice is at a text boundary and the ids decode to exactly the text, so the model sees
 the same conversation; it only keeps the tokenization it already computed."""
@@ -24,7 +25,7 @@ class Known(NamedTuple):
     ids: tuple[int, ...]
 
 
-Branch = list[Known]   # one request's prompt, then its prompt + output
+Branch = list[Known]   # (what it reached before,) one request's prompt, its prompt + output
 
 
 class History:
@@ -68,6 +69,12 @@ class History:
         moved = [b for b in branches if all(longest.startswith(k.text) for k in b)]
         for b in moved:
             branches.remove(b)
+        # the longest text the moved branches reached, kept before the new one: a retry of
+        # this turn (another last message, or the same regenerated) starts with it
+        shortest = min(len(k.text) for k in branch)
+        before = [k for b in moved for k in b if len(k.text) < shortest]
+        if before:
+            branch = [max(before, key=lambda k: len(k.text)), *branch]
         branches.append(branch)
         self._count += 1 - len(moved)
         self._last.move_to_end(key)
