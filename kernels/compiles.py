@@ -21,6 +21,7 @@ class CompileWatch:
     def __init__(self) -> None:
         self.before_ready = 0
         self.after_ready: list[str] = []   # "kernel: specialisation" of each
+        self._seen: dict[str, list[list[str]]] = {}   # kernel -> arguments of each met
         self._ready = False
         self._lock = threading.Lock()
 
@@ -31,15 +32,41 @@ class CompileWatch:
         """Triton's `jit_cache_hook`: called on a specialisation's first launch in this
         process (None: go on and compile or load it)."""
         name = getattr(fn, "name", "?")
+        args = arguments(kw)
         with self._lock:
             if not self._ready:
                 self.before_ready += 1
+                if args is not None:
+                    self._seen.setdefault(name, []).append(args)
                 return None
             shape = describe(name, kw) or repr
             self.after_ready.append(f"{name}: {shape}")
+            nearest = difference(args, self._seen.get(name, []))
         log.warning("kernel %s met a new specialisation after ready (the warm-up missed "
-                    "this shape; this request waits for it): %s", name, shape)
+                    "this shape; this request waits for it): %s%s", name, shape,
+                    f"; the warm-up's nearest had {nearest}" if nearest else "")
         return None
+
+
+def difference(args: list[str] | None, seen: list[list[str]]) -> str | None:
+    """What the nearest specialisation met before ready had where `args` differ (the
+    fewest arguments apart): "s_xb: i32 %16 (now s_xb: i32)"; None without one."""
+    if args is None or not seen:
+        return None
+    near = min((s for s in seen if len(s) == len(args)),
+               key=lambda s: sum(a != b for a, b in zip(s, args, strict=True)), default=None)
+    if near is None:
+        return None
+    return ", ".join(f"{b} (now {a})" for a, b in zip(args, near, strict=True) if a != b)
+
+
+def arguments(kw: dict) -> list[str] | None:
+    """Each argument of a specialisation as `describe` writes it; None where the hook's
+    keywords are not of that form."""
+    text = describe("", kw)
+    if text is None:
+        return None
+    return text[1:-1].split(", ") if text != "()" else []
 
 
 def describe(name: str, kw: dict) -> str | None:

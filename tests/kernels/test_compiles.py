@@ -47,3 +47,24 @@ def test_a_late_specialisation_is_described_by_its_arguments(caplog):
     assert w.after_ready == ["_solve_kernel: _solve_kernel(k: *bf16 %16, beta: *bf16, "
                              "T: i32 %16, BT=64)"]
     assert "beta: *bf16," in caplog.text
+
+
+def test_a_late_specialisation_names_what_the_warm_ups_nearest_had_instead(caplog):
+    """The warning says which arguments set the late specialisation apart from the nearest
+    one met before ready, so a log tells which of a kernel's integers to stop
+    specialising (or which shape the warm-up should run)."""
+    w = CompileWatch()
+    fn = type("Info", (), {"name": "_conv_update_kernel"})()
+    signature = {"x": "*bf16", "T": "i32", "s_xb": "i32", "s_xt": "i32", "K": "constexpr"}
+
+    def launch(divisible: tuple[int, ...], k: int = 4):
+        configs = [{(i,): [["tt.divisibility", 16]] for i in divisible}]
+        w.hook(key="k", repr="r", fn=fn, compile={"signature": signature,
+                                                  "constants": {(4,): k}, "configs": configs})
+    launch((0, 2, 3))            # before ready: two variants met
+    launch((0,), k=2)            # (two arguments apart from the late one)
+    w.ready()
+    with caplog.at_level(logging.WARNING, logger="ninfer.kernels"):
+        launch((0, 3))
+    assert "the warm-up's nearest had s_xb: i32 %16 (now s_xb: i32)" in caplog.text
+    assert "K=" not in caplog.text.split("nearest had")[1]

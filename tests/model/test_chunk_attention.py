@@ -154,7 +154,7 @@ def test_gpu_the_cudnn_split_of_a_prepared_chunk_equals_the_flash_call():
     the flash call itself."""
     shapes = ca.prepare(heads=8, kv_heads=2, head_dim=256, chunk=1024, max_context=4096,
                         device="cuda", dtype=torch.bfloat16)
-    assert shapes == [(1024, 1024), (1024, 2048)] and not ca._refused
+    assert shapes == [(1024, 1024), (1024, 2048), (1024, 3072)] and not ca._refused
     for T, L in ((1024, 2048), (1024, 3072)):
         g = torch.Generator(device="cuda").manual_seed(L)
         q = torch.randn(1, 8, T, 256, device="cuda", dtype=torch.bfloat16, generator=g)
