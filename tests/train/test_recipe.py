@@ -209,3 +209,66 @@ def test_a_share_or_stride_out_of_range_is_refused_by_name(slice_corpus, tmp_pat
         assert main(["train", "eval", "x.ninfer", "--corpus", str(slice_corpus.path),
                      "--window", window, "--stride", stride]) == 2
         assert "--stride" in capsys.readouterr().err
+
+
+def test_the_reply_mask_holds_the_assistants_turns_and_nothing_else(slice_corpus):
+    """On a stream of the corpus's rendered chats: the masked tokens decode to exactly the
+    assistant messages' content, each ended by `<|im_end|>`; system, user and tool turns
+    and source text are outside it."""
+    from tokenizers import Tokenizer as BackendTokenizer
+
+    from ninfer.model.bpe import added_ids
+    tok = BackendTokenizer.from_str(slice_corpus.tokenizer_json)
+    ids = added_ids(slice_corpus.tokenizer_json)
+    role = tok.encode("assistant", add_special_tokens=False).ids
+    tokens = torch.tensor(slice_corpus.ids("train.bin"))
+    mask = loop.reply_mask(tokens, im_start=ids["<|im_start|>"], im_end=ids["<|im_end|>"],
+                           role=role)
+    assert 0.005 < float(mask.float().mean()) < 0.5
+    # the runs of the mask: each starts right after "<|im_start|>assistant", ends at an im_end
+    edges = torch.diff(mask.int(), prepend=torch.zeros(1, dtype=torch.int32))
+    starts, ends = (edges == 1).nonzero().squeeze(1), (edges == -1).nonzero().squeeze(1) - 1
+    assert len(starts) == len(ends) > 10
+    for s, e in zip(starts[:200].tolist(), ends[:200].tolist(), strict=True):
+        assert tokens[s - 1 - len(role)] == ids["<|im_start|>"]
+        assert tokens[s - len(role):s].tolist() == role and tokens[e] == ids["<|im_end|>"]
+        assert ids["<|im_end|>"] not in tokens[s:e].tolist()
+        text = tok.decode(tokens[s:e].tolist(), skip_special_tokens=False)
+        assert "<|im_start|>" not in text and "<tools>" not in text
+    # a turn of another role, and a last assistant turn never ended, stay out
+    a, u = role, tok.encode("user", add_special_tokens=False).ids
+    s_, e_ = ids["<|im_start|>"], ids["<|im_end|>"]
+    small = torch.tensor([s_, *u, 7, e_, s_, *a, 8, 9, e_, 3, s_, *a, 4])
+    got = loop.reply_mask(small, im_start=s_, im_end=e_, role=a).tolist()
+    at = 1 + len(u) + 2 + 1 + len(a)
+    assert [i for i, m in enumerate(got) if m] == [at, at + 1, at + 2]
+
+
+def test_weighted_losses_weigh_each_target_and_weights_of_one_change_nothing():
+    torch.manual_seed(0)
+    net = weights.build(trained_config(64, endoftext=0, im_end=1, **smoke_shape()), 0)
+    windows = torch.randint(2, 64, (2, 17))
+    plain = loop.losses(net, windows, 2)
+    ones = loop.losses(net, windows, 2, torch.ones(2, 17))
+    torch.testing.assert_close(ones[0], plain[0])
+    torch.testing.assert_close(torch.stack(ones[1]), torch.stack(plain[1]))
+    # a target alone weighted (the rest 0): the loss is that target's cross-entropy
+    only = torch.zeros(2, 17)
+    only[1, 9] = 3.0
+    hidden = loop.forward.hidden(net, windows[:, :16])
+    want = torch.nn.functional.cross_entropy(net.lm_logits(hidden)[1, 8].float(), windows[1, 9])
+    torch.testing.assert_close(loop.losses(net, windows, 0, only)[0], want)
+
+
+def test_reply_weight_reaches_the_loss_and_the_report(slice_corpus, tmp_path, capsys):
+    settings = dataclasses.replace(SMOKE, steps=2, eval_every=0, checkpoint_every=0)
+    runs = {w: loop.train(slice_corpus, tmp_path / f"{w}.ninfer", config_overrides=smoke_shape(),
+                          settings=dataclasses.replace(settings, reply_weight=w),
+                          progress=False) for w in (1.0, 4.0)}
+    assert runs[4.0]["settings"]["reply_weight"] == 4.0
+    assert runs[1.0]["losses"][0]["main"] != runs[4.0]["losses"][0]["main"]
+    assert 0 < runs[1.0]["corpus"]["reply_tokens_share"] < 0.5
+    from ninfer.cli import main
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "run", "--corpus", str(slice_corpus.path), "--reply-weight", "0"])
+    assert exit_.value.code == 2 and "--reply-weight" in capsys.readouterr().err
