@@ -96,6 +96,11 @@ def planned(chunk: int, max_context: int) -> list[list[Planned]]:
             # number 1 or a multiple of 16 (128 then 3): Triton specialises the GDN
             # kernels' T and NT on those classes, and the pieces above cover the others
             [Planned("two-tiles", 128 + 3, 2)],
+            # first pieces alone in the conv's tile classes below a tile (2, 8 and 16 here;
+            # 4, 32 and 64 above), as a chat prompt whose system message is its first
+            # piece meets them: the H100 run of stop 44 met the 16 after ready
+            [Planned("first-of-2", 2 + 3, 2)], [Planned("first-of-8", 8 + 3, 2)],
+            [Planned("first-of-12", 12 + 3, 2)],
             [Planned("aligned", 48, 6), Planned("short", 5, 6), Planned("odd", 100, 6)],
             [Planned("sampled", 21, 4, sampled=True)]]
 
