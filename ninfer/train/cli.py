@@ -26,7 +26,7 @@ an MTP head) learnt from this machine's Python standard library.
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the three subcommands to `parser` (`ninfer train`, or `python -m ninfer.train`)."""
-    from .corpus import MADE_UP_NAMES
+    from .corpus import MADE_UP_NAMES, TEMPLATES, TOOL_ORDER
     from .recipe import TrainSettings
     defaults = TrainSettings()
     sub = parser.add_subparsers(dest="train_command", required=True)
@@ -56,6 +56,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the share of tool examples whose other listed tools come from "
                              "the target's own module (alike descriptions: the call must "
                              "follow the request's words; default 0: the recipe's)")
+    corpus.add_argument("--tool-order", choices=list(TEMPLATES), default=TOOL_ORDER,
+                        help="how the chat template lists a tool: as given (name-first) or "
+                             "with its description before its name, so a model told what a "
+                             "function does finds the name after the matching text; the "
+                             f"trained model keeps that template (default {TOOL_ORDER})")
     corpus.set_defaults(func=_corpus)
 
     run = sub.add_parser("run", help="train the model on a built corpus",
@@ -150,6 +155,7 @@ def _corpus(args: argparse.Namespace) -> int:
                 vocab_size=args.vocab_size or VOCAB_SIZE, made_up_tools=args.made_up_tools,
                 tool_examples=args.tool_examples or TOOL_EXAMPLES_PER_FUNCTION,
                 made_up_names=args.made_up_names, near_tools=args.near_tools,
+                tool_order=args.tool_order,
                 progress=lambda stage: print(stage, file=sys.stderr, flush=True))
     corpus = Corpus.open(out)
     print(json.dumps({"corpus": str(out), "sha256": corpus.sha256,

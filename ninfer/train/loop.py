@@ -305,7 +305,8 @@ def train(corpus: Corpus, out: str | Path, *, settings: TrainSettings, device: s
         if s.eval_every and step % s.eval_every == 0:
             report["heldout"].append({"step": step, "loss": heldout_loss()})
         if s.checkpoint_every and step % s.checkpoint_every == 0 and step < budget.total:
-            saved = weights.save(net, corpus.tokenizer_json, checkpoint_path(out, step))
+            saved = weights.save(net, corpus.tokenizer_json, checkpoint_path(out, step),
+                                 corpus.chat_template)
             report["checkpoints"].append({"step": step, "path": str(saved)})
         bar.update(1)
     done = step
@@ -314,7 +315,7 @@ def train(corpus: Corpus, out: str | Path, *, settings: TrainSettings, device: s
     bar.close()
     if not report["heldout"] or report["heldout"][-1]["step"] != done:
         report["heldout"].append({"step": done, "loss": heldout_loss()})
-    path = weights.save(net, corpus.tokenizer_json, out)
+    path = weights.save(net, corpus.tokenizer_json, out, corpus.chat_template)
     report.update({
         "steps_planned": budget.total, "steps_done": done,
         "seconds_per_step_calibrated": budget.seconds_per_step, "tokens": done * s.tokens_per_step,

@@ -60,22 +60,24 @@ def weight_bytes(config: ModelConfig) -> int:
     return 2 * sum(math.prod(s) for s in expected_tensors(config).values())
 
 
-def save(net: HybridModel, tokenizer_json: str, path: str | Path) -> Path:
-    """Write `net` as a `.ninfer` (bf16 weights, checkpoint names) atomically. The header
-    keeps the tokenizer without the corpus file's indentation: the default shape's file
-    then stays under 16 MiB (what the GPU machine hands back in one file)."""
+def save(net: HybridModel, tokenizer_json: str, path: str | Path,
+         chat_template: str = QWEN3_STYLE_TEMPLATE_THINKING_OFF) -> Path:
+    """Write `net` as a `.ninfer` (bf16 weights, checkpoint names) atomically, with
+    `chat_template` (the corpus's). The header keeps the tokenizer without the corpus
+    file's indentation: the default shape's file then stays under 16 MiB (what the GPU
+    machine hands back in one file)."""
     config = net.config
     tokenizer_json = BackendTokenizer.from_str(tokenizer_json).to_str(pretty=False)
     params = dict(net.named_parameters())
     tensors = {name: params[name].detach().to("cpu", torch.bfloat16).contiguous()
                for name in expected_tensors(config)}
     ids = added_ids(tokenizer_json)
-    tok_config = tokenizer_config(tokenizer_json, QWEN3_STYLE_TEMPLATE_THINKING_OFF,
+    tok_config = tokenizer_config(tokenizer_json, chat_template,
                                   config.max_position_embeddings)
     del tok_config["chat_template"]  # the header keeps the template on its own
     generation = {"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
                   "pad_token_id": ids["<|endoftext|>"]}
     return write_ninfer(path, config=config.to_dict(), tokenizer_json=tokenizer_json,
                         tokenizer_config=tok_config,
-                        chat_template=QWEN3_STYLE_TEMPLATE_THINKING_OFF,
+                        chat_template=chat_template,
                         generation_config=generation, tensors=tensors, progress=False)

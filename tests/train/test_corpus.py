@@ -275,3 +275,49 @@ def test_near_tools_list_the_targets_module_and_draw_nothing_from_the_main_strea
         spread += sum(module_of[n] == module_of[call]
                       for n in (t["function"]["name"] for t in before.tools) if n != call)
     assert same > 2 * spread   # the plain draw seldom lists a neighbour
+
+
+def test_description_first_lists_each_tool_with_its_description_before_its_name():
+    """The same prompt but for the tools' lines: each holds the function's description,
+    name and parameters in that order (keys beyond them left out)."""
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": 'Say "it" rains.', "strict": True,
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
+        {"type": "function", "function": {"name": "bare"}}]
+    messages = [{"role": "user", "content": "weather?"}]
+    given = trained_template().render(messages, tools=tools, add_generation_prompt=True)
+    first = trained_template("description-first").render(messages, tools=tools,
+                                                          add_generation_prompt=True)
+    lines = [line for line in first.splitlines() if line.startswith('{"type"')]
+    assert [list(json.loads(line)["function"]) for line in lines] == \
+        [["description", "name", "parameters"]] * 2
+    assert json.loads(lines[0])["function"] == {k: v for k, v in tools[0]["function"].items()
+                                                if k != "strict"}
+    assert json.loads(lines[1])["function"] == {"description": "", "name": "bare",
+                                                "parameters": {}}
+    rest = [line for line in given.splitlines() if not line.startswith('{"type"')]
+    assert rest == [line for line in first.splitlines() if not line.startswith('{"type"')]
+    assert given != first
+
+
+def test_a_description_first_corpus_renders_its_chats_so_and_names_its_template(tmp_path):
+    from ninfer.model.loader import load_files
+    from ninfer.train import loop
+    from ninfer.train.recipe import smoke_shape
+
+    from .test_recipe import SMOKE
+    corpus = Corpus.open(build(tmp_path / "c", modules=("json", "textwrap"), vocab_size=512,
+                               tool_order="description-first"))
+    assert corpus.manifest["rules"]["tool_order"] == "description-first"
+    text = BackendTokenizer.from_str(corpus.tokenizer_json).decode(corpus.ids("train.bin"),
+                                                                   skip_special_tokens=False)
+    assert '{"type": "function", "function": {"description": ' in text
+    assert '{"type": "function", "function": {"name": ' not in text
+    import dataclasses
+    out = loop.train(corpus, tmp_path / "m.ninfer", config_overrides=smoke_shape(),
+                     settings=dataclasses.replace(SMOKE, steps=1, eval_every=0,
+                                                  checkpoint_every=0), progress=False)["out"]
+    assert load_files(out, verify=False).template.templates == corpus.chat_template
+    with pytest.raises(CorpusError, match="tool order"):
+        build(tmp_path / "d", modules=("json",), tool_order="alphabetical")
+    assert not (tmp_path / "d").exists()
