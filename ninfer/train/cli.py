@@ -94,9 +94,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
                      help="start a window drawn inside a chat example at that example's "
                           "first token, so every reply is learned with its whole prompt "
                           f"(default {'on' if defaults.whole_chats else 'off'})")
-    run.add_argument("--reply-weight", type=_positive, default=defaults.reply_weight,
-                     metavar="W", help="weight of the assistant's reply tokens in the loss "
-                     f"beside the other tokens' 1 (default {defaults.reply_weight:g})")
     run.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every,
                      help="also write <out stem>.step<N>.ninfer every N steps (0: never; "
                           f"default {defaults.checkpoint_every})")
@@ -130,13 +127,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
                     help="replies generated at once (default 8)")
     ev.add_argument("--quiet", action="store_true", help="no progress bars")
     ev.set_defaults(func=_eval)
-
-
-def _positive(value: str) -> float:
-    number = float(value)
-    if not number > 0:
-        raise argparse.ArgumentTypeError("must be more than 0")
-    return number
 
 
 def _share(value: str) -> float:
@@ -175,8 +165,7 @@ def _run(args: argparse.Namespace) -> int:
                                    batch=args.batch, seq_len=args.seq_len, lr=args.lr,
                                    checkpoint_every=args.checkpoint_every,
                                    mtp_weight=args.mtp_weight, weight_decay=args.weight_decay,
-                                   whole_chats=args.whole_chats,
-                                   reply_weight=args.reply_weight)
+                                   whole_chats=args.whole_chats)
     report = train(Corpus.open(args.corpus), args.out, settings=settings, device=args.device,
                    minutes=args.minutes, report_path=args.report,
                    config_overrides=smoke_shape() if args.shape == "smoke" else None,

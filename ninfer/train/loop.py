@@ -21,13 +21,12 @@ import json
 import math
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tokenizers import Tokenizer as BackendTokenizer
 from torch import Tensor
 from tqdm import tqdm
 
@@ -50,28 +49,20 @@ def lr_at(step: int, total: int, s: TrainSettings) -> float:
     return s.min_lr + 0.5 * (s.lr - s.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def losses(net: HybridModel, windows: Tensor, depth: int,
-           weights: Tensor | None = None) -> tuple[Tensor, list[Tensor]]:
+def losses(net: HybridModel, windows: Tensor, depth: int) -> tuple[Tensor, list[Tensor]]:
     """windows [B, T + 1] -> (next-token loss, [loss of draft step d for d < depth]), means
-    over the positions where each has a target; `weights` [B, T + 1] (each window token's
-    weight as a target): weighted means instead."""
+    over the positions where each has a target."""
     T = windows.shape[1] - 1
     hidden = forward.hidden(net, windows[:, :T])
-    main = _cross_entropy(net.lm_logits(hidden), windows[:, 1:],
-                          None if weights is None else weights[:, 1:])
+    main = _cross_entropy(net.lm_logits(hidden), windows[:, 1:])
     steps = forward.mtp_logits(net, hidden, windows, depth) if depth else []
     # draft step d's entry p is meaningful from p = d; it predicts token p + 2
-    return main, [_cross_entropy(lg[:, d:T - 1], windows[:, d + 2:],
-                                 None if weights is None else weights[:, d + 2:])
-                  for d, lg in enumerate(steps)]
+    return main, [_cross_entropy(lg[:, d:T - 1], windows[:, d + 2:]) for d, lg in
+                  enumerate(steps)]
 
 
-def _cross_entropy(logits: Tensor, targets: Tensor, weights: Tensor | None = None) -> Tensor:
-    logits, targets = logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1)
-    if weights is None:
-        return F.cross_entropy(logits, targets)
-    weights = weights.reshape(-1).float()
-    return (F.cross_entropy(logits, targets, reduction="none") * weights).sum() / weights.sum()
+def _cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
 def _param_groups(net: HybridModel, weight_decay: float) -> list[dict]:
@@ -105,10 +96,6 @@ class Windows:
         self.chats = None if chats is None else (chats[0].cpu(), chats[1].cpu())
 
     def next(self, batch: int) -> Tensor:
-        return self.take(self.tokens, self.starts(batch))
-
-    def starts(self, batch: int) -> Tensor:
-        """The next `batch` windows' first positions (what `next` draws)."""
         starts = torch.randint(0, self.tokens.numel() - self.length - 1, (batch,),
                                generator=self.generator)
         if self.chats is not None and len(self.chats[0]):
@@ -116,33 +103,7 @@ class Windows:
             i = (torch.searchsorted(first, starts, right=True) - 1).clamp(min=0)
             inside = (first[i] <= starts) & (starts <= last[i])
             starts = torch.where(inside, first[i], starts)
-        return starts
-
-    def take(self, stream: Tensor, starts: Tensor) -> Tensor:
-        """The windows at `starts` of `stream` (the tokens, or a per-token stream beside
-        them): [batch, length + 1]."""
-        return stream[starts.to(stream.device)[:, None] + self.span.to(stream.device)]
-
-
-def reply_mask(tokens: Tensor, *, im_start: int, im_end: int, role: Sequence[int]) -> Tensor:
-    """bool [N]: the tokens of the assistant's replies in a stream of rendered chats: after
-    `<|im_start|>` and the role's ids (`role`: "assistant" encoded), up to and including
-    the `<|im_end|>` that ends the turn. Tool results and the system and user messages are
-    not replies; neither is source text."""
-    tokens = tokens.cpu()
-    n, r = tokens.numel(), len(role)
-    starts = (tokens[:max(n - r, 0)] == im_start).nonzero().squeeze(1)
-    for i, t in enumerate(role):
-        starts = starts[tokens[starts + 1 + i] == t]
-    ends = (tokens == im_end).nonzero().squeeze(1)
-    first = starts + 1 + r
-    j = torch.searchsorted(ends, first)
-    ok = j < len(ends)
-    first, last = first[ok], ends[j[ok]]
-    edges = torch.zeros(n + 1, dtype=torch.int32)
-    edges.index_add_(0, first, torch.ones_like(first, dtype=torch.int32))
-    edges.index_add_(0, last + 1, torch.full_like(last, -1, dtype=torch.int32))
-    return edges.cumsum(0)[:n] > 0
+        return self.tokens[starts.to(self.tokens.device)[:, None] + self.span]
 
 
 def chat_spans(tokens: Tensor, *, endoftext: int, im_start: int) -> tuple[Tensor, Tensor]:
@@ -237,12 +198,6 @@ def train(corpus: Corpus, out: str | Path, *, settings: TrainSettings, device: s
     train_tokens = _tokens(corpus, "train.bin", dev)
     chats = chat_spans(train_tokens, endoftext=ids["<|endoftext|>"], im_start=ids["<|im_start|>"])
     windows = Windows(train_tokens, s.seq_len, s.seed, chats if s.whole_chats else None)
-    replies = reply_mask(train_tokens, im_start=ids["<|im_start|>"], im_end=ids["<|im_end|>"],
-                         role=BackendTokenizer.from_str(corpus.tokenizer_json).encode(
-                             "assistant", add_special_tokens=False).ids)
-    # each token's weight as a target: the replies' `reply_weight`, the rest 1 (None: all 1)
-    token_weights = None if s.reply_weight == 1 else (
-        1 + (s.reply_weight - 1) * replies.to(torch.float32)).to(dev)
     held = heldout_windows(_tokens(corpus, "heldout.bin", dev), s.seq_len)
     optimizer = torch.optim.AdamW(_param_groups(net, s.weight_decay), lr=s.lr, betas=s.betas,
                                   fused=dev.type == "cuda")
@@ -268,8 +223,7 @@ def train(corpus: Corpus, out: str | Path, *, settings: TrainSettings, device: s
                    "files_sha256": corpus.manifest["files_sha256"],
                    "train_tokens": train_tokens.numel(), "heldout_tokens": held.numel(),
                    "tool_calls_cut_off": calls_cut_off(train_tokens, chats, ids["<tool_call>"],
-                                                       s.seq_len, s.whole_chats),
-                   "reply_tokens_share": float(replies.float().mean())},
+                                                       s.seq_len, s.whole_chats)},
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor()
         or "cpu", "torch": torch.__version__, "minutes": minutes,
         "weight_bytes": weights.weight_bytes(config), "losses": [], "heldout": [],
@@ -286,11 +240,9 @@ def train(corpus: Corpus, out: str | Path, *, settings: TrainSettings, device: s
         lr = lr_at(step, budget.total, s)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        starts = windows.starts(s.batch)
-        batch = windows.take(train_tokens, starts)
+        batch = windows.next(s.batch)
         with autocast:
-            main, mtp = loss_fn(net, batch, s.mtp_depth, None if token_weights is None
-                                else windows.take(token_weights, starts))
+            main, mtp = loss_fn(net, batch, s.mtp_depth)
             loss = main + s.mtp_weight * torch.stack(mtp).mean() if mtp else main
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), s.grad_clip)

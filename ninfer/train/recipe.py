@@ -59,10 +59,6 @@ class TrainSettings:
     # a window drawn inside a chat example starts at its first token (`loop.Windows`); the
     # shipped model was trained without (bench/NOTES.md, stop 42)
     whole_chats: bool = False
-    # each reply token's weight as a target beside the rest's 1 (`loop.reply_mask`): the
-    # assistant's replies are a few percent of the tokens, the tools listed before them
-    # most of a chat, and learning to predict made-up tool names there is no use
-    reply_weight: float = 1.0
     eval_every: int = 250           # held-out loss every this many steps (0: never)
     checkpoint_every: int = 1000    # a .ninfer beside the final one every this many steps
 
