@@ -185,3 +185,15 @@ def test_a_cuda_run_reports_against_the_issue_goals(results, tmp_path, monkeypat
     assert options[options.index("--device") + 1] == "cuda"
     assert options[options.index("--dtype") + 1] == "bfloat16"
     assert options[options.index("--prefill-chunk") + 1] == "8192"   # the GPU default
+
+
+def test_on_cuda_the_server_logs_its_slow_steps_and_sizes_its_own_pool():
+    from ninfer.bench.serve_outside import SLOW_STEP_MS, server_options, sizes_for
+    cuda = server_options("cuda", "m", sizes_for("cuda", True), 8, [])
+    assert cuda[cuda.index("--log-slow-steps") + 1] == str(SLOW_STEP_MS)
+    assert "--kv-capacity" not in cuda
+    cpu = server_options("cpu", None, sizes_for("cpu", True), 2, [])
+    assert "--log-slow-steps" not in cpu and "--kv-capacity" in cpu
+    from ninfer.cli import build_parser
+    args = build_parser().parse_args(["serve", *cuda])
+    assert args.log_slow_steps == SLOW_STEP_MS and args.model == "m"

@@ -66,6 +66,9 @@ TARGETS = {"ready_s": ("<=", 60), "ready_warm_s": ("<=", 15), "first_over_repeat
            "prefill_gap_ratio": ("<=", 3), "http_over_engine_8": (">=", 0.9)}
 
 
+SLOW_STEP_MS = 10   # on CUDA, the server logs steps this long (`--log-slow-steps`)
+
+
 def sizes_for(device: str, quick: bool) -> Sizes:
     kind = "cuda" if device.startswith("cuda") else "cpu"
     return SIZES[f"{kind}-quick" if quick else kind]
@@ -80,8 +83,10 @@ def server_options(device: str, model: str | None, sizes: Sizes, max_concurrency
     defaults for it, written out)."""
     from ..server.serve import default_dtype, default_prefill_chunk
     context = 1 << (sizes.longest + 2 * sizes.decode_tokens + 1024).bit_length()
-    # (on CUDA the KV pool is the server's default, sized from the GPU's free memory)
-    pool = [] if device.startswith("cuda") else ["--kv-capacity", str(4 * context)]
+    # (on CUDA the KV pool is the server's default, sized from the GPU's free memory, and
+    # the log names each step of 10 ms or more: what a stalled stream waited for)
+    pool = ["--log-slow-steps", str(SLOW_STEP_MS)] if device.startswith("cuda") \
+        else ["--kv-capacity", str(4 * context)]
     return [*([model] if model else []), "--device", device, "--dtype", default_dtype(device),
             "--prefill-chunk", str(default_prefill_chunk(device)), "--max-context",
             str(context), *pool, "--max-concurrency",

@@ -36,6 +36,10 @@ class EngineConfig:
     # chunks of 16 or more). A GPU's: a forward costs ~20 ms of host time at any length, so
     # a smaller chunk only slows the prefill, and a bigger one stalls the streams longer
     paced_from: int = 0
+    # > 0: a step that takes at least this long is logged with where its time went (what
+    # it prefilled, the lanes it decoded, the device wait, the journal commit): what
+    # stalled a stream, read from the server's log (None: not logged)
+    slow_step_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.paced_from < 0 or self.paced_from > self.prefill_chunk:

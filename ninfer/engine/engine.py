@@ -137,6 +137,7 @@ class Engine:
 
     def _step(self) -> list[ev.Event]:
         self.steps += 1
+        began = time.perf_counter()
         self._drain_commands()
         finishing = [x for x in self.live.values() if _ends_here(x.request)]
         for live in finishing:
@@ -152,6 +153,10 @@ class Engine:
         if self.pacing is not None:
             self.pacing.begin()
         prefilled, unpaced = 0, False
+        cursors = {x.request.id: x.request.cursor for x in self.live.values()
+                   if x.request.state in ("Prefilling", "Detached")} \
+            if self.config.slow_step_s is not None else {}   # (the slow-step log's)
+        scheduled = time.perf_counter()
         for live in list(self.live.values()):
             if self.live.get(live.request.id) is not live:
                 continue  # preempted by another lane's allocation in this step
@@ -171,7 +176,11 @@ class Engine:
                 self._guarded(live, self._draft)
                 decoding.append(live)
         self._verify([x for x in decoding if self.live.get(x.request.id) is x])
+        launched = time.perf_counter()
         self.model.synchronize()  # the step commits: its device work has completed
+        synced = time.perf_counter()
+        advanced = {rid: self.requests[rid].cursor - c for rid, c in cursors.items()
+                    if rid in self.requests and self.requests[rid].cursor > c}
         if self.pacing is not None and not unpaced:  # a step that says what a chunk costs
             self.pacing.end(bool(decoding), prefilled)
         for live in finishing:  # a turn's state is published once it is complete and fenced
@@ -182,7 +191,14 @@ class Engine:
         if not self.config.keep_finished:  # a long-running server forgets ended requests
             self.requests = {k: r for k, r in self.requests.items()
                              if r.state not in machine.TERMINAL}
-        return self._commit()
+        committing = time.perf_counter()
+        events = self._commit()
+        if self.config.slow_step_s is not None:
+            ended = time.perf_counter()
+            if ended - began >= self.config.slow_step_s:
+                log.info(slow_step(self.steps, began, scheduled, launched, synced, committing,
+                                   ended, advanced, len(decoding), len(events)))
+        return events
 
     def _commit(self) -> list[ev.Event]:
         """Write the step's events as one transaction; rotate a journal past its size."""
@@ -425,6 +441,19 @@ class Engine:
             self.exits.release(live)
         self.live.clear()
         return self.held
+
+
+def slow_step(step: int, began: float, scheduled: float, launched: float, synced: float,
+              committing: float, ended: float, prefilled: dict[str, int], decoding: int,
+              events: int) -> str:
+    """A slow step's log line: where its time went, and what it did."""
+    def ms(a: float, b: float) -> str:
+        return f"{1e3 * (b - a):.1f}"
+    what = ", ".join(f"{n:,} of req#{rid}" for rid, n in sorted(prefilled.items())) or "nothing"
+    return (f"slow step {step}: {ms(began, ended)} ms (admitting {ms(began, scheduled)}, "
+            f"launching {ms(scheduled, launched)}, device wait {ms(launched, synced)}, "
+            f"publishing {ms(synced, committing)}, journal {ms(committing, ended)}); "
+            f"prefilled {what}; {decoding} lanes decoding; {events} events")
 
 
 def _ends_here(request: Request) -> bool:

@@ -56,6 +56,13 @@ def _positive(value: str) -> int:
     return n
 
 
+def _positive_ms(value: str) -> float:
+    ms = float(value)
+    if not ms > 0:
+        raise argparse.ArgumentTypeError("must be more than 0")
+    return ms
+
+
 def _decode_gap_steps(value: str) -> float:
     gap = float(value)
     if gap != 0 and not gap > 1:
@@ -132,6 +139,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "default 3; on a GPU, where a forward's host time does not shrink "
                         "with its length, prompts over 2048 tokens are paced, in chunks of "
                         "2048 or more")
+    p.add_argument("--log-slow-steps", type=_positive_ms, default=None, metavar="MS",
+                   help="log each engine step that takes MS milliseconds or more, with where "
+                        "its time went (admitting, launching, the device wait, publishing, "
+                        "the journal) and what it prefilled and decoded: what stalled a "
+                        "stream (default: not logged)")
     p.add_argument("--spec", choices=["none", "mtp", "ngram"], default="none",
                    help="speculative decoding: the model's MTP head, n-gram lookup, or none")
     p.add_argument("--draft-tokens", type=_positive, default=3,
@@ -335,7 +347,9 @@ def load(args: argparse.Namespace) -> Loaded:
                           journal_tokens=args.journal_content == "tokens",
                           detach_prefills=args.detach_prefills,
                           decode_gap=_decode_gap(args),
-                          paced_from=_paced_from(args, chunk))
+                          paced_from=_paced_from(args, chunk),
+                          slow_step_s=None if args.log_slow_steps is None
+                          else args.log_slow_steps / 1000)
     path = Path(args.journal) if args.journal else default_journal()
     path.parent.mkdir(parents=True, exist_ok=True)
     journal = Journal.open(path, identity={"model": om.model.identity, "model_name": om.name,

@@ -140,3 +140,29 @@ def test_paced_from_paces_prompts_past_it_in_chunks_of_it_and_leaves_a_lone_prom
     assert max(chunks(True, 100)) == 32 and chunks(False, 100) == [100]
     with pytest.raises(ValueError):
         EngineConfig(prefill_chunk=64, paced_from=65)
+
+
+def test_a_slow_step_is_logged_with_where_its_time_went_and_what_it_did(caplog):
+    """With a threshold every step at least that long is logged: its phases' times, the
+    prompt tokens it prefilled by request, the lanes it decoded; without one, none is."""
+    import logging
+    import re
+    for threshold in (0.0, None):
+        engine = make_sim_engine(EngineConfig(max_concurrency=2, prefill_chunk=8,
+                                              max_context=512, slow_step_s=threshold),
+                                 num_blocks=64)
+        engine.submit(Submit("a", tuple(range(10, 30)), None, "t", SamplingParams(max_tokens=3)))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="ninfer.engine"):
+            for _ in range(6):
+                engine.step()
+        lines = [r.getMessage() for r in caplog.records if "slow step" in r.getMessage()]
+        if threshold is None:
+            assert lines == []
+            continue
+        assert len(lines) == 6
+        assert re.match(r"slow step 1: [\d.]+ ms \(admitting [\d.]+, launching [\d.]+, device "
+                        r"wait [\d.]+, publishing [\d.]+, journal [\d.]+\); prefilled 8 of req#a; "
+                        r"0 lanes decoding; \d+ events$", lines[0])
+        assert "prefilled 4 of req#a" in lines[2]   # 20 tokens in chunks of 8: 8, 8, 4
+        assert "prefilled nothing; 1 lanes decoding" in lines[3]
