@@ -23,7 +23,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=24)
     a = ap.parse_args()
-    opts = server_options("cpu", None, sizes_for("cpu", True), a.streams, [])
+    opts = server_options("cpu", None, sizes_for("cpu", True), a.streams,
+                          ["--log-slow-steps", "0.001"])
     folder = Path(tempfile.mkdtemp(prefix="arrivals-"))
     with started(["--spec", "none", *opts], folder) as server:
         probes = Probes(server.url, PromptMaker.for_model(None), itertools.count(1))
@@ -31,6 +32,8 @@ def main() -> None:
             print(probes.decode([a.streams], a.tokens))
         log = server.log.read_text()
     for line in log.splitlines():
+        if "slow step" in line and "warmup" not in line:
+            print(line[11:23], line.split("ninfer.engine: ")[1][:200])
         m = re.search(r"(req#\S+) done .*prompt ([\d,]+) .*TTFT ([\d.]+ m?s) .*total ([\d.]+ m?s)",
                       line)
         if m:

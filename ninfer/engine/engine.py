@@ -138,6 +138,9 @@ class Engine:
     def _step(self) -> list[ev.Event]:
         self.steps += 1
         began = time.perf_counter()
+        counts = getattr(self.model, "allocator_counts", None) \
+            if self.config.slow_step_s is not None else None
+        allocated = counts() if counts is not None else None   # (the slow-step log's)
         self._drain_commands()
         finishing = [x for x in self.live.values() if _ends_here(x.request)]
         for live in finishing:
@@ -196,8 +199,10 @@ class Engine:
         if self.config.slow_step_s is not None:
             ended = time.perf_counter()
             if ended - began >= self.config.slow_step_s:
+                grew = None if allocated is None else tuple(
+                    b - a for a, b in zip(allocated, counts(), strict=True))
                 log.info(slow_step(self.steps, began, scheduled, launched, synced, committing,
-                                   ended, advanced, len(decoding), len(events)))
+                                   ended, advanced, len(decoding), len(events), grew))
         return events
 
     def _commit(self) -> list[ev.Event]:
@@ -445,15 +450,20 @@ class Engine:
 
 def slow_step(step: int, began: float, scheduled: float, launched: float, synced: float,
               committing: float, ended: float, prefilled: dict[str, int], decoding: int,
-              events: int) -> str:
-    """A slow step's log line: where its time went, and what it did."""
+              events: int, allocated: tuple[int, int] | None = None) -> str:
+    """A slow step's log line: where its time went, and what it did; `allocated`: the
+    device memory segments and allocation retries it added (`allocator_counts`), named
+    where not zero."""
     def ms(a: float, b: float) -> str:
         return f"{1e3 * (b - a):.1f}"
     what = ", ".join(f"{n:,} of req#{rid}" for rid, n in sorted(prefilled.items())) or "nothing"
+    memory = "" if not allocated or not any(allocated) else (
+        f"; device memory: {allocated[0]} segments allocated, {allocated[1]} allocations "
+        f"retried after freeing the cache")
     return (f"slow step {step}: {ms(began, ended)} ms (admitting {ms(began, scheduled)}, "
             f"launching {ms(scheduled, launched)}, device wait {ms(launched, synced)}, "
             f"publishing {ms(synced, committing)}, journal {ms(committing, ended)}); "
-            f"prefilled {what}; {decoding} lanes decoding; {events} events")
+            f"prefilled {what}; {decoding} lanes decoding; {events} events{memory}")
 
 
 def _ends_here(request: Request) -> bool:

@@ -501,6 +501,16 @@ class TorchModel:
             torch.cuda.synchronize(self.device)
         return {"shapes": shapes, "seconds": time.perf_counter() - began}
 
+    def allocator_counts(self) -> tuple[int, int] | None:
+        """On CUDA, PyTorch's caching allocator's running counts: device memory segments
+        allocated (each a cudaMalloc) and allocations retried after freeing its cache (a
+        cudaFree of every cached block first); None elsewhere. The slow-step log reports
+        what a step added: a first request's cost that no kernel explains."""
+        if self.device.type != "cuda":
+            return None
+        stats = torch.cuda.memory_stats(self.device)
+        return stats.get("segment.all.allocated", 0), stats.get("num_alloc_retries", 0)
+
     def synchronize(self) -> None:
         """Wait for the engine's work: all of it, but not a step run ahead that nothing
         the engine launched since has to wait for (the GPU goes on with it meanwhile)."""

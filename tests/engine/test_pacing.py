@@ -166,3 +166,21 @@ def test_a_slow_step_is_logged_with_where_its_time_went_and_what_it_did(caplog):
                         r"0 lanes decoding; \d+ events$", lines[0])
         assert "prefilled 4 of req#a" in lines[2]   # 20 tokens in chunks of 8: 8, 8, 4
         assert "prefilled nothing; 1 lanes decoding" in lines[3]
+
+
+def test_a_slow_step_names_the_device_memory_it_allocated(caplog):
+    """A model with allocator counts (CUDA's): the step that grew them says by how much;
+    steps that did not, say nothing of it."""
+    import logging
+    engine = make_sim_engine(EngineConfig(max_concurrency=2, prefill_chunk=8, max_context=512,
+                                          slow_step_s=0.0), num_blocks=64)
+    counts = iter([(5, 0), (7, 1), (7, 1), (7, 1)])
+    engine.model.allocator_counts = lambda: next(counts)
+    engine.submit(Submit("a", tuple(range(10, 30)), None, "t", SamplingParams(max_tokens=3)))
+    with caplog.at_level(logging.INFO, logger="ninfer.engine"):
+        engine.step()
+        engine.step()
+    first, second = (r.getMessage() for r in caplog.records if "slow step" in r.getMessage())
+    assert first.endswith("; device memory: 2 segments allocated, 1 allocations retried "
+                          "after freeing the cache")
+    assert "device memory" not in second

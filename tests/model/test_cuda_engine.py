@@ -335,3 +335,14 @@ def test_a_sampled_request_on_cuda_draws_and_a_seed_repeats(spec):
         h.check()
         outputs.append(h.engine.requests["r"].outputs)
     assert len(outputs[0]) == 8 and outputs[0] == outputs[1]
+
+
+def test_the_allocator_counts_grow_with_a_new_segment():
+    """`allocator_counts` (the slow-step log's): a tensor larger than any cached block is
+    a new segment."""
+    model = _factory(False)(64, 16, 8)
+    before = model.allocator_counts()
+    big = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")   # 256 MiB
+    after = model.allocator_counts()
+    assert after[0] > before[0] and after[1] >= before[1]
+    del big
