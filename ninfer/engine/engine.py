@@ -138,9 +138,8 @@ class Engine:
     def _step(self) -> list[ev.Event]:
         self.steps += 1
         began = time.perf_counter()
-        counts = getattr(self.model, "allocator_counts", None) \
-            if self.config.slow_step_s is not None else None
-        allocated = counts() if counts is not None else None   # (the slow-step log's)
+        allocated = self.model.allocator_counts() \
+            if self.config.slow_step_s is not None else None   # (the slow-step log's)
         self._drain_commands()
         finishing = [x for x in self.live.values() if _ends_here(x.request)]
         for live in finishing:
@@ -200,7 +199,8 @@ class Engine:
             ended = time.perf_counter()
             if ended - began >= self.config.slow_step_s:
                 grew = None if allocated is None else tuple(
-                    b - a for a, b in zip(allocated, counts(), strict=True))
+                    b - a for a, b in zip(allocated, self.model.allocator_counts(),
+                                          strict=True))
                 log.info(slow_step(self.steps, began, scheduled, launched, synced, committing,
                                    ended, advanced, len(decoding), len(events), grew))
         return events

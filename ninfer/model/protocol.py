@@ -209,3 +209,8 @@ class Model(Protocol):
     def synchronize(self) -> None:
         """Wait for all launched work (the engine does at every step's commit); a step run
         ahead that nothing launched since waits for need not be waited for."""
+
+    def allocator_counts(self) -> tuple[int, int] | None:
+        """The device memory allocator's running counts, (segments allocated, allocations
+        retried after freeing its cache), for the slow-step log; None where there is
+        none to count (the CPU)."""

@@ -243,6 +243,9 @@ class SimModel:
     def synchronize(self) -> None:
         self._completed = self._launched
 
+    def allocator_counts(self) -> None:
+        return None
+
     # --- durable checkpoints ---------------------------------------------------------------
 
     def export_parts(self, held) -> dict:

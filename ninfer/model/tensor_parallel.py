@@ -356,6 +356,10 @@ class ShardedModel:
         self._call("synchronize")
         self._completed = marker
 
+    def allocator_counts(self) -> tuple[int, int] | None:
+        """Rank 0's (each rank allocates alike)."""
+        return self.local.allocator_counts()
+
     # --- measurement --------------------------------------------------------------------
 
     def collective_seconds(self) -> float:
