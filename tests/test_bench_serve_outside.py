@@ -61,6 +61,12 @@ def test_the_next_turn_reuses_the_conversation(results):
         assert QUICK.new_turn_tokens <= results[f"turn2_new_tokens_{n}"] <= \
             QUICK.new_turn_tokens + 8
         assert results[f"turn2_ttft_ms_{n}"] > 0
+        # the turn again with another message reuses the history through the reply as well
+        # (the random model's reply ids are not its text's encoding: a retry encoded whole
+        # would reuse only the first turn's prompt)
+        assert results[f"retry_cached_tokens_{n}"] >= n + QUICK.reply_tokens - 1
+        assert results[f"retry_new_tokens_{n}"] <= QUICK.new_turn_tokens + 8
+        assert results[f"retry_ttft_ms_{n}"] > 0
 
 
 def test_decode_and_the_gap_beside_a_prefill_are_measured(results):

@@ -135,7 +135,10 @@ def rows(results: dict, sizes: Sizes) -> list[tuple]:
         out += [(f"turn2_ttft_ms_{n}", f"next turn at {n} tokens: TTFT", "ms", ",.1f"),
                 (f"turn1_ttft_ms_{n}", "  its first turn", "ms", ",.1f"),
                 (f"turn2_cached_tokens_{n}", "  prompt tokens reused", "tokens", ",d"),
-                (f"turn2_new_tokens_{n}", "  prompt tokens computed", "tokens", ",d")]
+                (f"turn2_new_tokens_{n}", "  prompt tokens computed", "tokens", ",d"),
+                (f"retry_ttft_ms_{n}", "  the turn again, another message: TTFT", "ms",
+                 ",.1f"),
+                (f"retry_new_tokens_{n}", "    prompt tokens computed", "tokens", ",d")]
     for n in sizes.streams:
         out += [(f"decode_tok_s_{n}", f"decode, {n} streams: total", "tok/s", ",.0f"),
                 (f"decode_per_stream_tok_s_{n}", "  per stream (median)", "tok/s", ",.0f"),

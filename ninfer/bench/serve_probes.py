@@ -60,8 +60,9 @@ class Probes:
 
     def next_turn(self, sizes: Sequence[int], new_tokens: int, reply_tokens: int) -> dict:
         """A conversation of n tokens (turn 1, its reply `reply_tokens` long), then the reply
-        sent back with a new user message `new_tokens` long (turn 2): the time to first token
-        of each, the turn-2 prompt and the part of it the server reused (cached)."""
+        sent back with a new user message `new_tokens` long (turn 2), then turn 2 sent again
+        with another message (a retry: the last message edited, or regenerated): the time to
+        first token of each, the prompts and the part of them the server reused (cached)."""
         out: dict = {}
         for n in sizes:
             key = next(self.keys)
@@ -78,6 +79,12 @@ class Probes:
             out[f"turn2_prompt_tokens_{n}"] = turn2.prompt_tokens
             out[f"turn2_cached_tokens_{n}"] = turn2.cached_tokens
             out[f"turn2_new_tokens_{n}"] = turn2.prompt_tokens - turn2.cached_tokens
+            retry = stream_chat(self.url, self.prompts.follow_up(history, new_tokens,
+                                                                 next(self.keys)),
+                                session=f"bench-{key}", max_tokens=FIRST_TOKENS)
+            out[f"retry_ttft_ms_{n}"] = 1000 * retry.ttft
+            out[f"retry_cached_tokens_{n}"] = retry.cached_tokens
+            out[f"retry_new_tokens_{n}"] = retry.prompt_tokens - retry.cached_tokens
         return out
 
     def _streams(self, n: int, tokens: int) -> list[Timed]:
