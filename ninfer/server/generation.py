@@ -73,7 +73,8 @@ class Generation:
         self.plan: str | None = None
         self.reuse_base = 0
         self.started_at: float | None = None
-        self.first_at: float | None = None
+        self.first_at: float | None = None      # the engine's time of the first token
+        self.first_seen: float | None = None    # when it reached the server (its TTFT)
         self.last_at: float | None = None
         self.completion_tokens = 0
         self.drafted = self.accepted = 0
@@ -151,9 +152,11 @@ class Generation:
         """Update bookkeeping with one event; the text deltas it releases."""
         if isinstance(event, ev.TokensCommitted):  # first: nearly every event is one
             if self.first_at is None:
-                self.first_at = event.time
+                # the time to first token is until the token reached the server, as the
+                # client meets it: its step's journal commit and delivery included
+                self.first_at, self.first_seen = event.time, time.time()
                 self.phase = "decode"
-                self.server.metrics.first_token(event.time - self.arrival)
+                self.server.metrics.first_token(self.first_seen - self.arrival)
             self.last_at = event.time
             self.completion_tokens += len(event.tokens)
             self.outputs.extend(event.tokens)
@@ -315,7 +318,7 @@ class Generation:
         line = logs.request_line(
             f"req#{self.id}", self.route, outcome, prompt=len(self.prompt),
             output=self.completion_tokens, cached=self.reuse_base, plan=self.plan,
-            ttft=(self.first_at - self.arrival) if self.first_at else None,
+            ttft=(self.first_seen - self.arrival) if self.first_seen else None,
             total=now - self.arrival, prefill_s=prefill_s, decode_s=decode_s,
             spec=self.server.settings.spec, drafted=self.drafted, accepted=self.accepted)
         if isinstance(self.terminal, ev.RequestFailed):

@@ -47,7 +47,9 @@ class Metrics:
             "engine steps begun between a cancel and its RequestCancelled",
             buckets=STEP_BUCKETS, registry=None)
         self.ttft = Histogram(
-            "ninfer_time_to_first_token_seconds", "from the request's arrival to its first token",
+            "ninfer_time_to_first_token_seconds",
+            "from the request's arrival to its first token reaching the HTTP side (its "
+            "step's journal commit included)",
             buckets=TTFT_BUCKETS, registry=None)
         self.pending = 0   # requests admitted, not yet started (event loop thread only)
 

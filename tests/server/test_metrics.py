@@ -166,3 +166,35 @@ def test_counts_follow_requests(live):
     assert after("ninfer_queue_depth") == after("ninfer_live_requests") == 0
     assert after("ninfer_kv_blocks_used") >= after("ninfer_kv_blocks_held_by_endpoints") > 0
     assert after("ninfer_endpoints", kind="private") >= 3  # one per session
+
+
+def test_time_to_first_token_counts_until_the_token_reached_the_server(live):
+    """A slow commit of the step that made the first token (its journal rows written before
+    any client may see the token) is part of the time to first token the server reports,
+    as it is of the client's: the figure is not the token's time inside the engine."""
+    before = settle(live)
+    engine = live.engine
+    real = engine._commit
+    slept = []
+
+    def slow_commit():
+        if not slept and any(e.kind == "TokensCommitted" for e in engine.log.pending):
+            slept.append(True)
+            time.sleep(0.3)
+        return real()
+    engine._commit = slow_commit
+    try:
+        sent = time.monotonic()
+        r = httpx.post(live.url + CHAT, timeout=60, json={
+            "messages": [{"role": "user", "content": "first token"}], "max_tokens": 1,
+            "temperature": 0})
+        took = time.monotonic() - sent
+    finally:
+        del engine._commit
+    assert r.status_code == 200 and slept
+    after = settle(live)
+    ttft = after("ninfer_time_to_first_token_seconds_sum") - \
+        before("ninfer_time_to_first_token_seconds_sum")
+    assert after("ninfer_time_to_first_token_seconds_count") == \
+        before("ninfer_time_to_first_token_seconds_count") + 1
+    assert 0.3 <= ttft <= took
