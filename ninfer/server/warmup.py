@@ -73,8 +73,8 @@ class Planned:
 
 def planned(chunk: int, max_context: int) -> list[list[Planned]]:
     """The warm-up's requests for prefill chunks of `chunk` tokens, in batches: a batch's
-    requests are submitted together (prefilled as one packed call, a kernel specialisation
-    of its own, and decoded together), each batch after the one before it has finished.
+    requests are submitted together (prefilled in the same step, each in forwards of its
+    own, and decoded together), each batch after the one before it has finished.
     Each prompt must fit `max_context` with its output (one that does not is left out)."""
     first = min(chunk + UNALIGNED, max(1, max_context // 2 - 16))
     second = min(chunk // 2, max(1, max_context // 4))
@@ -96,11 +96,10 @@ def planned(chunk: int, max_context: int) -> list[list[Planned]]:
             # number 1 or a multiple of 16 (128 then 3): Triton specialises the GDN
             # kernels' T and NT on those classes, and the pieces above cover the others
             [Planned("two-tiles", 128 + 3, 2)],
-            # first pieces alone in the conv's tile classes below a tile (2, 8 and 16 here;
-            # 4, 32 and 64 above), as a chat prompt whose system message is its first
-            # piece meets them: the H100 run of stop 44 met the 16 after ready
-            [Planned("first-of-2", 2 + 3, 2)], [Planned("first-of-8", 8 + 3, 2)],
-            [Planned("first-of-12", 12 + 3, 2)],
+            # first pieces in the conv's tile classes below a tile that no other first turn
+            # has (8 and 16), as a chat prompt whose system message is its first piece
+            # meets them: the H100 run of stop 44 met the 16 after ready
+            [Planned("first-of-8", 8 + 3, 2), Planned("first-of-12", 12 + 3, 2)],
             [Planned("aligned", 48, 6), Planned("short", 5, 6), Planned("odd", 100, 6)],
             [Planned("sampled", 21, 4, sampled=True)]]
 

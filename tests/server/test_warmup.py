@@ -28,7 +28,7 @@ def test_the_full_warm_up_runs_each_planned_request_and_leaves_nothing(spec):
     report = warm_up(server, verify_tokens=4 if spec == "mtp" else 0, full=True)
     server.thread.stop()
     assert server.thread.error is None
-    assert report.requests == sum(map(len, planned(32, 512))) == 19
+    assert report.requests == sum(map(len, planned(32, 512))) == 18
     assert report.reused == 7     # the next turns and the one-token turn restored a state
     # each batch of requests sent together is timed, every request named once
     names = [n for names, _ in report.batches for n in names.split(" + ")]
@@ -38,7 +38,7 @@ def test_the_full_warm_up_runs_each_planned_request_and_leaves_nothing(spec):
     assert 0 < sum(s for _, s in report.batches) <= report.requests_s
     assert report.graphs is None  # (a model without CUDA graphs)
     started = [e for e in h.journal.read() if e.kind == "RequestStarted"]
-    assert len(started) == 19
+    assert len(started) == 18
     # a served next turn's anchors: captured at the reply's end and the message's end
     turn = next(e for e in started if e.request.endswith("-its-next-turn"))
     captured = {e.checkpoint.position for e in h.journal.read()
@@ -133,18 +133,17 @@ def test_first_turns_cover_the_gdn_kernels_length_classes(chunk):
 
 
 @pytest.mark.parametrize("chunk", [8192, 2048])
-def test_lone_first_turns_cover_the_convs_tile_classes(chunk):
+def test_first_turns_cover_the_convs_tile_classes(chunk):
     """The conv update takes a piece's length to the next power of two below its tile of
-    64 (2 at least) as a constexpr: a variant each. A first turn's pieces, in a batch of
-    its own (batches prefill packed), meet every class: a served chat prompt's system
-    message is a short first piece (the H100 run of stop 44 compiled the 16's after
-    ready)."""
+    64 (2 at least) as a constexpr: a variant each. The first turns' pieces (each lane's
+    its own forwards) meet every class: a served chat prompt's system message is a short
+    first piece (the H100 run of stop 44 compiled the 16's after ready)."""
     def tile(n: int) -> int:
         return 64 if n > 64 else max(2, 1 << (n - 1).bit_length())
 
     met = set()
     for batch in planned(chunk, 4 * chunk + 1024):
-        for p in ([] if len(batch) > 1 else [q for q in batch if not q.after]):
+        for p in (q for q in batch if not q.after):
             cuts = sorted({*range(chunk, p.prompt, chunk), *p.bounds(0), p.prompt})
             met |= {tile(b - a) for a, b in zip([0, *cuts], cuts, strict=False) if b - a > 1}
     assert met == {2, 4, 8, 16, 32, 64}
