@@ -39,7 +39,9 @@ class CompileWatch:
                 if args is not None:
                     self._seen.setdefault(name, []).append(args)
                 return None
-            shape = describe(name, kw) or repr
+            # (Triton 3.6's own `repr` pairs the arguments with the characters of its
+            # cache key: "k: (" and no more)
+            shape = f"{name}({', '.join(args)})" if args is not None else repr
             self.after_ready.append(f"{name}: {shape}")
             nearest = difference(args, self._seen.get(name, []))
         log.warning("kernel %s met a new specialisation after ready (the warm-up missed "
@@ -61,20 +63,10 @@ def difference(args: list[str] | None, seen: list[list[str]]) -> str | None:
 
 
 def arguments(kw: dict) -> list[str] | None:
-    """Each argument of a specialisation as `describe` writes it; None where the hook's
-    keywords are not of that form."""
-    text = describe("", kw)
-    if text is None:
-        return None
-    return text[1:-1].split(", ") if text != "()" else []
-
-
-def describe(name: str, kw: dict) -> str | None:
-    """A specialisation from the `signature`, `constants` and `configs` that Triton passes
-    the hook in its `compile` argument: each argument's type, its value where it is a
-    constant, and "%16" where Triton took it as a multiple of 16 (an integer) or 16-byte
-    aligned (a pointer). (Triton 3.6's own `repr` pairs the arguments with the characters
-    of its cache key: "k: (" and no more.) None where the arguments are not of that form."""
+    """Each argument of a specialisation from the `signature`, `constants` and `configs`
+    that Triton passes the hook in its `compile` argument: its type, its value where it is
+    a constant, and "%16" where Triton took it as a multiple of 16 (an integer) or 16-byte
+    aligned (a pointer). None where the keywords are not of that form."""
     kw = kw.get("compile") or kw
     try:
         attrs = (kw.get("configs") or [{}])[0] or {}
@@ -87,7 +79,7 @@ def describe(name: str, kw: dict) -> str | None:
             marks = attrs.get((i,), ())
             aligned = any("divisib" in str(mark[0]) for mark in marks)
             parts.append(f"{arg}: {ty}{' %16' if aligned else ''}")
-        return f"{name}({', '.join(parts)})"
+        return parts
     except (KeyError, TypeError, IndexError, AttributeError):
         return None
 
