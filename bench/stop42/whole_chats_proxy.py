@@ -35,7 +35,7 @@ for step in range(steps):
     opt.step(); opt.zero_grad(set_to_none=True)
     if step % 10 == 0:
         print(arm, step, round(main.item(), 3), round(time.time() - t0), file=sys.stderr, flush=True)
-weights.save(net, corpus.tokenizer_json, out)
+weights.save(net, corpus.tokenizer_json, out, corpus.chat_template)
 om = open_model(out, device="cpu", dtype="float32")
 r = E.tool_share(om, corpus.eval_items("tool_prompts"))
 r.pop("examples")

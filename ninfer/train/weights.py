@@ -17,7 +17,6 @@ from ..model.fileformat import write_ninfer
 from ..model.gdn import GatedDeltaNet
 from ..model.hybrid import HybridModel
 from ..model.layers import GatedRMSNorm, RMSNorm
-from ..model.template import QWEN3_STYLE_TEMPLATE_THINKING_OFF
 
 STD = 0.02
 # output projections of each residual branch start smaller, by 1 / sqrt(2 x layers)
@@ -60,8 +59,7 @@ def weight_bytes(config: ModelConfig) -> int:
     return 2 * sum(math.prod(s) for s in expected_tensors(config).values())
 
 
-def save(net: HybridModel, tokenizer_json: str, path: str | Path,
-         chat_template: str = QWEN3_STYLE_TEMPLATE_THINKING_OFF) -> Path:
+def save(net: HybridModel, tokenizer_json: str, path: str | Path, chat_template: str) -> Path:
     """Write `net` as a `.ninfer` (bf16 weights, checkpoint names) atomically, with
     `chat_template` (the corpus's). The header keeps the tokenizer without the corpus
     file's indentation: the default shape's file then stays under 16 MiB (what the GPU
