@@ -7,6 +7,7 @@ conversations of 4K, 16K and 32K tokens, on the CPU with the default model.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import re
@@ -26,11 +27,10 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     a = ap.parse_args()
     sizes = [int(s) for s in a.sizes.split(",")]
-    base = sizes_for("cpu", True)
-    opts = server_options("cpu", a.model, base, 2, [])
-    ctx = 1 << (max(sizes) + 2048).bit_length()
-    opts[opts.index("--max-context") + 1] = str(ctx)
-    opts[opts.index("--kv-capacity") + 1] = str(4 * ctx)
+    # the quick CPU sizes with this conversation the longest: the context and the KV
+    # pool that `server_options` gives for it
+    opts = server_options("cpu", a.model, dataclasses.replace(sizes_for("cpu", True),
+                          next_turn=(max(sizes),)), 2, [])
     folder = Path(tempfile.mkdtemp(prefix="turn-overhead-"))
     prompts = PromptMaker.for_model(a.model)
     out = {}

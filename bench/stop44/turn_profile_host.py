@@ -6,6 +6,7 @@ message on one 16K-token conversation): what the host does besides the engine's 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import subprocess
 import tempfile
@@ -24,10 +25,10 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=30)
     ap.add_argument("--out", default="/tmp/turns.txt")
     a = ap.parse_args()
-    opts = server_options("cpu", None, sizes_for("cpu", True), 2, [])
-    ctx = 1 << (a.size + 2048).bit_length()
-    opts[opts.index("--max-context") + 1] = str(ctx)
-    opts[opts.index("--kv-capacity") + 1] = str(4 * ctx)
+    # the quick CPU sizes with this conversation the longest: the context and the KV
+    # pool that `server_options` gives for it
+    opts = server_options("cpu", None, dataclasses.replace(sizes_for("cpu", True),
+                          next_turn=(a.size,)), 2, [])
     folder = Path(tempfile.mkdtemp(prefix="turn-host-"))
     prompts = PromptMaker.for_model(None)
     session = "s1"

@@ -3,11 +3,15 @@ and the journal's event times (one machine): the request sent -> RequestQueued e
 (HTTP, render, tokenize, submit, the engine's wake) -> the first TokensCommitted emitted
 (the engine's step) -> the first token at the client (the step's commit, delivery, SSE).
 
-    .venv/bin/python bench/stop44/turn_segments.py --size 16384 --turns 8
+Turns alternate: odd ones are next turns, even ones from the third on are retries of the
+turn before (the same history, another message).
+
+    .venv/bin/python bench/stop44/turn_segments.py --size 16384 --turns 9
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -47,10 +51,10 @@ def main() -> None:
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for the server")
     a = ap.parse_args()
     env = dict(e.split("=", 1) for e in a.env)
-    opts = server_options("cpu", None, sizes_for("cpu", True), 2, [])
-    ctx = 1 << (a.size + 2048).bit_length()
-    opts[opts.index("--max-context") + 1] = str(ctx)
-    opts[opts.index("--kv-capacity") + 1] = str(4 * ctx)
+    # the quick CPU sizes with this conversation the longest: the context and the KV
+    # pool that `server_options` gives for it
+    opts = server_options("cpu", None, dataclasses.replace(sizes_for("cpu", True),
+                          next_turn=(a.size,)), 2, [])
     folder = Path(tempfile.mkdtemp(prefix="turn-seg-"))
     prompts = PromptMaker.for_model(None)
     rows = []
