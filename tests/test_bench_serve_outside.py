@@ -203,3 +203,6 @@ def test_on_cuda_the_server_logs_its_slow_steps_and_sizes_its_own_pool():
     from ninfer.cli import build_parser
     args = build_parser().parse_args(["serve", *cuda])
     assert args.log_slow_steps == SLOW_STEP_MS and args.model == "m"
+    for bad in ("0", "-5"):   # a threshold of nothing would log every step
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--log-slow-steps", bad])
