@@ -327,9 +327,12 @@ def test_count_tokens_of_a_conversation_with_tools_thinking_and_results(live, cl
 
 def test_a_create_the_client_gives_up_on_is_cancelled(live, client):
     before = {r for r, in _requests(live)}
+    # greedy: a sampled answer (Anthropic's default temperature is 1) may stop on its own
+    # before the client's second is up
     with live.configured(step_delay=0.1), pytest.raises(anthropic.APITimeoutError):
         client.with_options(timeout=1.0).messages.create(
-            model=MODEL, max_tokens=400, messages=[{"role": "user", "content": "Go on."}])
+            model=MODEL, max_tokens=400, extra_body={"temperature": 0.0},
+            messages=[{"role": "user", "content": "Go on."}])
     rid, = {r for r, in _requests(live)} - before
     kind, data, _ = live.wait_terminal(rid)
     assert kind == "RequestCancelled" and len(outputs(live, rid)) < 400
