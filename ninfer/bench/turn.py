@@ -19,7 +19,8 @@ conversation of its own. Turn 2 is timed two ways:
 - host side, by calling the server's own functions on the same request just before it is
   sent: JSON parsing and validation, the template render, the tokenising as served (the
   history's encoder), the anchors' prefix renders, the submit check, hashing the prompt's
-  blocks and encoding its journal row (its token ids packed, `events.pack`).
+  blocks and encoding its journal row as the journal writes it after the turn before's
+  (naming that row's lists and packing the new ids: `listrefs`, `events.pack`).
 
 The times are each stage's best over the repeats (the counts: medians); the table has one
 column per size.
@@ -61,7 +62,7 @@ HOST = [("parse", "host: JSON parse + validate"),
         ("render_chat", "host: render_chat as served (+anchors)"),
         ("submit_check", "host: engine submit check"),
         ("block_hashes", "host: prompt's block hashes, from scratch"),
-        ("journal_row", "host: RequestQueued row (JSON, ids packed)")]
+        ("journal_row", "host: RequestQueued row as journaled")]
 
 
 COUNTS = ("prompt_tokens", "cached_tokens", "pieces", "forwards", "journal_kib")
@@ -170,6 +171,7 @@ def host_stages(server, messages: list[dict], session: str) -> dict[str, float]:
     from ..engine.commands import Submit, problem
     from ..lifecycle.events import RequestQueued, to_json
     from ..lifecycle.hashing import block_hashes
+    from ..lifecycle.listrefs import Referrer
     from ..lifecycle.request import SamplingParams
     from ..server import sessions
     from ..server.reading import validate
@@ -195,6 +197,17 @@ def host_stages(server, messages: list[dict], session: str) -> dict[str, float]:
                     params=SamplingParams(max_tokens=2))
     vocab = server.vocab_size
     hashes = block_hashes(submit.prompt)
+    earlier = submit.prompt[:-NEW_TOKENS]   # (about) the turn before's prompt
+
+    def journaled_row() -> str:
+        """The row as the journal writes it after the turn before's: naming that row's
+        lists (`listrefs`), the new ids packed."""
+        refs = Referrer()
+        refs.packer(RequestQueued(seq=1, tenant=tenant, prompt_len=len(earlier),
+                                  block_hashes=block_hashes(earlier), tokens=earlier))
+        row = RequestQueued(seq=2, tenant=tenant, prompt_len=len(submit.prompt),
+                            block_hashes=hashes, tokens=submit.prompt)
+        return to_json(row, refs.packer(row))
     return {
         "parse": _timed(lambda: from_chat(validate(ChatRequest, json.loads(raw)),
                                           default_budget=budget)),
@@ -207,9 +220,7 @@ def host_stages(server, messages: list[dict], session: str) -> dict[str, float]:
         "submit_check": _timed(lambda: problem(submit, vocab_size=vocab,
                                                max_context=server.settings.max_context)),
         "block_hashes": _timed(lambda: block_hashes(submit.prompt)),
-        "journal_row": _timed(lambda: to_json(RequestQueued(
-            tenant=tenant, prompt_len=len(submit.prompt), block_hashes=hashes,
-            tokens=submit.prompt))),
+        "journal_row": _timed(journaled_row),
     }
 
 

@@ -8,6 +8,7 @@ consumer (fold, journal check, timelines, redrive) needs each field.
 from __future__ import annotations
 
 import base64
+import contextvars
 import dataclasses
 import functools
 import json
@@ -275,36 +276,72 @@ _encode = _one_shot(_JSON)   # every journal row's payload (the engine writes on
 PACKINGS = {"packed u32": ("u32le:", "I"),    # token ids (`facts.TokenIds`)
             "packed u64": ("u64le:", "Q")}    # block hashes (`facts.BlockHashes`)
 _BY_PREFIX = {prefix: code for prefix, code in PACKINGS.values()}
+# Schema version 3: a packed list may start with an earlier row's (`listrefs`):
+# "u32le@<seq>+<n>:" and the base64 of the items after them: the first n items of the list
+# of the same packing in the row at <seq> of the same file (a row holds at most one list
+# of each packing), then these. Reading one needs the journal: the reader that decodes
+# the row sets the resolver (`resolving`).
+Resolve = Callable[[str, int, int], array]   # (array type, seq, n) -> the first n items
+_RESOLVER: contextvars.ContextVar[Resolve | None] = contextvars.ContextVar(
+    "ninfer_list_resolver", default=None)
 
 
-def pack(values: tuple[int, ...], tag: str = "packed u32") -> str:
+def pack(values: tuple[int, ...], tag: str = "packed u32", *,
+         after: tuple[int, int] | None = None) -> str:
     """A long list as a journal row holds it (fields annotated `facts.TokenIds` or
     `facts.BlockHashes`): base64 of the items as little-endian uint32s or uint64s, after
     their prefix. 0.3 ms for 32K token ids where their JSON took 2.4 (a version 1
-    journal's rows hold JSON lists)."""
+    journal's rows hold JSON lists). `after` (seq, n): `values` follow the first n items
+    of that row's list of this packing (schema version 3), which the text names."""
     prefix, code = PACKINGS[tag]
     packed = array(code, values)
     if sys.byteorder != "little":
         packed.byteswap()
+    if after is not None:
+        prefix = f"{prefix[:-1]}@{after[0]}+{after[1]}:"
     return prefix + base64.b64encode(packed.tobytes()).decode("ascii")
 
 
 def token_ids(value: Any) -> tuple[int, ...] | None:
     """A packed field's items from its JSON value: packed (`pack`), a list (a version 1
-    journal's rows), or null. For readers of raw rows; the decoders use it too."""
+    journal's rows), or null. For readers of raw rows; the decoders use it too. A list that
+    names an earlier row's is read through the resolver in effect (`resolving`)."""
     if value is None:
         return None
     if type(value) is not str:
         return tuple(value)
-    prefix = value[:value.find(":") + 1]
-    code = _BY_PREFIX.get(prefix)
+    return tuple(packed_items(value))
+
+
+def packed_items(value: str) -> array:
+    """The items of a packed list's text, as an array (see `token_ids`)."""
+    colon = value.find(":")
+    head = value[:colon + 1]
+    at = head.find("@")
+    code = _BY_PREFIX.get(head if at < 0 else head[:at] + ":")
     if code is None:
         raise ValueError(f"a packed list starts with one of {sorted(_BY_PREFIX)}")
     packed = array(code)
-    packed.frombytes(base64.b64decode(value[len(prefix):], validate=True))
+    packed.frombytes(base64.b64decode(value[colon + 1:], validate=True))
     if sys.byteorder != "little":
         packed.byteswap()
-    return tuple(packed)
+    if at < 0:
+        return packed
+    resolve = _RESOLVER.get()
+    seq, _, n = head[at + 1:-1].partition("+")
+    if resolve is None:
+        raise ValueError(f"a packed list that starts with row {seq}'s needs its journal to "
+                         "be read")
+    return resolve(code, int(seq), int(n)) + packed
+
+
+def resolving(resolve: Resolve | None) -> contextvars.Token:
+    """Make `resolve` read the packed lists that name earlier rows until `.reset(token)`."""
+    return _RESOLVER.set(resolve)
+
+
+def reset_resolving(token: contextvars.Token) -> None:
+    _RESOLVER.reset(token)
 
 
 def readable_payload(kind: str, payload: dict) -> dict:
@@ -345,6 +382,23 @@ def _packed(cls: type) -> dict[str, str]:
     return {n: t for n in _field_names(cls) if (t := tag(hints[n])) is not None}
 
 
+@functools.cache
+def list_paths(cls: type) -> dict[str, tuple[str, ...]]:
+    """Where `cls`'s packed lists are, by packing tag: the field names from the payload down
+    (through nested facts). A row holds at most one list of each packing: what makes a
+    reference to "row S's u32 list" name one list (`listrefs`)."""
+    out: dict[str, tuple[str, ...]] = {}
+    found = [(tag, (n,)) for n, tag in _packed(cls).items()]
+    hints = typing.get_type_hints(cls)
+    for n in sorted(_nested(cls)):
+        found += [(tag, (n, *path)) for tag, path in list_paths(hints[n]).items()]
+    for tag, path in found:
+        if tag in out:
+            raise TypeError(f"{cls.__name__} holds two {tag} lists: {out[tag]} and {path}")
+        out[tag] = path
+    return out
+
+
 def _converter(tp: Any):
     """A function turning a JSON value back into annotation `tp`, or None if as-is."""
     origin = typing.get_origin(tp)
@@ -371,17 +425,20 @@ def _nested(cls: type) -> frozenset[str]:
     return frozenset(n for n in _field_names(cls) if dataclasses.is_dataclass(hints[n]))
 
 
-def _plain(value: Any) -> dict[str, Any]:
+Packer = Callable[[tuple[int, ...], str], str]   # (items, packing tag) -> the row's text
+
+
+def _plain(value: Any, packer: Packer = pack) -> dict[str, Any]:
     """Nested facts as a dict, without asdict's deep copies."""
-    return _as_dict(value, _nested(type(value)))
+    return _as_dict(value, _nested(type(value)), packer)
 
 
-def _as_dict(obj: Any, nested: frozenset[str]) -> dict[str, Any]:
+def _as_dict(obj: Any, nested: frozenset[str], packer: Packer = pack) -> dict[str, Any]:
     out = {}
     packed = _packed(type(obj))
     for n in _field_names(type(obj)):
         v = getattr(obj, n)
-        out[n] = _plain(v) if n in nested else pack(v, packed[n]) if n in packed \
+        out[n] = _plain(v, packer) if n in nested else packer(v, packed[n]) if n in packed \
             and v is not None else v
     return out
 
@@ -396,18 +453,31 @@ def from_plain(tp: type, value: Any) -> Any:
     return _builder(tp)(value)
 
 
-def to_json(ev: Event) -> str:
-    """The payload of `ev` (everything but the envelope) as compact JSON."""
+def to_json(ev: Event, packer: Packer = pack) -> str:
+    """The payload of `ev` (everything but the envelope) as compact JSON; `packer` writes
+    its packed lists (the journal's names earlier rows' lists where it can, `listrefs`)."""
     cls = type(ev)
     nested = _nested(cls)
     if nested or _packed(cls):
-        return _encode(_as_dict(ev, nested))
+        return _encode(_as_dict(ev, nested, packer))
     return _encode({n: getattr(ev, n) for n in _field_names(cls)})
 
 
-def to_row(ev: Event) -> tuple:
+def to_row(ev: Event, packer: Packer = pack) -> tuple:
     """(seq, time, request, conversation, kind, data): one row of the journal's events table."""
-    return (ev.seq, ev.time, ev.request, ev.conversation, ev.kind, to_json(ev))
+    return (ev.seq, ev.time, ev.request, ev.conversation, ev.kind, to_json(ev, packer))
+
+
+def lists_of(ev: Event) -> dict[str, tuple[int, ...]]:
+    """`ev`'s packed lists that are present, by packing tag (`list_paths`)."""
+    out = {}
+    for tag, path in list_paths(type(ev)).items():
+        v: Any = ev
+        for n in path:
+            v = None if v is None else getattr(v, n)
+        if v is not None:
+            out[tag] = v
+    return out
 
 
 _SCAN = json.JSONDecoder().scan_once  # the C scanner, without loads' layers around it

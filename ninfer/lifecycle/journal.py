@@ -30,6 +30,7 @@ from .journalfile import (
     sqlite_errors,
     warn_torn,
 )
+from .listrefs import Referrer
 from .reader import Envelope, JournalReader
 from .walmerge import WalMerge
 
@@ -63,7 +64,13 @@ def _v2(db: sqlite_utils.Database) -> None:
 
 # version -> migration from version-1, up to journalfile.SCHEMA_VERSION; each runs in one
 # transaction with its version stamp
-MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {1: _v1, 2: _v2}
+def _v3(db: sqlite_utils.Database) -> None:
+    """Rows from now on may start a packed list with an earlier row's (`listrefs`): a
+    conversation's turn carries its new tokens, not its whole context again. Nothing to
+    change; the stamp keeps a build that cannot follow such a list from misreading it."""
+
+
+MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {1: _v1, 2: _v2, 3: _v3}
 
 
 class Journal:
@@ -85,6 +92,7 @@ class Journal:
         self._page_size: int | None = None
         self._last_seq = self._reader.last_seq()
         self._wal: WalMerge | None = None   # a file journal's (`open`)
+        self._refs = Referrer()   # rows' lists that start with an earlier row's (this file's)
 
     @classmethod
     def open(cls, path: str | Path, *, identity: dict[str, Any] | None = None,
@@ -185,7 +193,8 @@ class Journal:
                 what = "repeats or goes back" if ev.seq < first + i else "leaves a gap"
                 raise JournalError(f"journal {self.path}: seq {ev.seq} {what}: "
                                    f"expected seq {first + i}")
-        rows = [to_row(ev) for ev in events]
+        refs = self._refs
+        rows = [to_row(ev, refs.packer(ev)) for ev in events]
         conn = self._conn
         with self._errors(f"appending seqs {first}..{events[-1].seq}"):
             conn.execute("BEGIN")
@@ -193,6 +202,8 @@ class Journal:
                 conn.executemany(_INSERT, rows)
                 conn.execute("COMMIT")
             except BaseException:
+                refs.forget()
+                self._reader.forget_lists()   # their seqs are written again next
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise

@@ -17,7 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-SCHEMA_VERSION = 2   # 2: long lists packed in rows (`events.pack`)
+SCHEMA_VERSION = 3   # 2: long lists packed in rows (`events.pack`); 3: a row's list may
+#                      start with an earlier row's (`listrefs`)
 APPLICATION = "ninfer"
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 _WAL_MAGIC = (0x377F0682, 0x377F0683)

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from . import events as ev
 from .events import Event, UnknownEventKind, from_row
 from .journalfile import (
     JournalError,
@@ -24,6 +25,7 @@ from .journalfile import (
     sqlite_errors,
     warn_torn,
 )
+from .listrefs import Resolver
 
 COLUMNS = "seq, time, request, conversation, kind, data"
 # Lean reads leave out token ids (prompts' and checkpoints': most of a journal's bytes) and
@@ -73,6 +75,7 @@ class JournalReader:
         """A reader on `conn`, a connection to a journal already checked (the writer's own);
         `uri`: how to connect again (`reopen`)."""
         self.conn, self.path, self.uri = conn, path, uri
+        self._resolve: Resolver | None = None   # made at the first row that needs one
 
     @classmethod
     def open(cls, path: str | Path) -> JournalReader:
@@ -170,11 +173,44 @@ class JournalReader:
                 yield from rows
 
     def decode(self, row: tuple) -> Event:
-        """The event of one row (seq, time, request, conversation, kind, data)."""
+        """The event of one row (seq, time, request, conversation, kind, data); its lists
+        that name earlier rows' (schema version 3, `listrefs`) read from this journal."""
         try:
-            return from_row(*row)
+            if type(row[5]) is not str or "le@" not in row[5]:
+                return from_row(*row)
+            with self.resolving():
+                return from_row(*row)
         except Exception as e:  # any row that does not decode is the journal's fault
             raise UnreadableEvent.of_row(self.path, row, e) from e
+
+    def readable(self, row: tuple) -> dict[str, Any]:
+        """One row as `journal export` writes it: the envelope, kind and payload, its
+        packed lists as lists (the ones that name earlier rows' read whole)."""
+        seq, time, request, conversation, kind, data = row
+        with self.resolving():
+            payload = ev.readable_payload(kind, json.loads(data))
+        return {"seq": seq, "time": time, "request": request, "conversation": conversation,
+                "kind": kind, "data": payload}
+
+    @contextlib.contextmanager
+    def resolving(self) -> Iterator[None]:
+        """A context in which packed lists that name earlier rows are read from this
+        journal (`events.token_ids`)."""
+        if self._resolve is None:
+            self._resolve = Resolver(self._fetch)
+        token = ev.resolving(self._resolve)
+        try:
+            yield
+        finally:
+            ev.reset_resolving(token)
+
+    def forget_lists(self) -> None:
+        """Drop the lists kept from rows read (the writer's, after rows rolled back)."""
+        self._resolve = None
+
+    def _fetch(self, seq: int) -> tuple[str, str] | None:
+        return self.conn.execute("SELECT kind, data FROM events WHERE seq = ?",
+                                 (seq,)).fetchone()
 
     def envelopes(self, kinds: Sequence[str]) -> Iterator[Envelope]:
         """The envelopes (seq, request, conversation, kind) of the events of `kinds` in seq

@@ -47,12 +47,6 @@ def _progress(items: Iterable[T], total: int) -> Iterator[T]:
         bar.close()
 
 
-def export_dict(row: tuple) -> dict:
-    seq, time, request, conversation, kind, data = row
-    return {"seq": seq, "time": time, "request": request, "conversation": conversation,
-            "kind": kind, "data": ev.readable_payload(kind, json.loads(data))}
-
-
 def lead_up(src: JournalReader, v: InvariantViolation, n: int = LEAD_UP) -> list[dict]:
     """The last `n` events up to the violation `v`'s seq (its request's, when it names
     one), oldest first, with a detail line each."""
@@ -61,7 +55,7 @@ def lead_up(src: JournalReader, v: InvariantViolation, n: int = LEAD_UP) -> list
     with src.errors("reading events"):  # newest first: SQLite stops after n
         rows = src.query(f"SELECT {COLUMNS} FROM events WHERE {where} ORDER BY seq DESC "
                          f"LIMIT {int(n)}", params).fetchall()
-    return [export_dict(r) | {"detail": describe(src.decode(r))} for r in reversed(rows)]
+    return [src.readable(r) | {"detail": describe(src.decode(r))} for r in reversed(rows)]
 
 
 def describe(e: ev.Event) -> str:
@@ -249,11 +243,11 @@ def _export(args: argparse.Namespace, src: JournalReader) -> int:
     out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
     try:
         if args.json:
-            json.dump([export_dict(r) for r in rows], out)
+            json.dump([src.readable(r) for r in rows], out)
             out.write("\n")
         else:
             for r in rows:
-                out.write(json.dumps(export_dict(r), separators=(",", ":")) + "\n")
+                out.write(json.dumps(src.readable(r), separators=(",", ":")) + "\n")
     finally:
         if out is not sys.stdout:
             out.close()

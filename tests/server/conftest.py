@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import socket
 import sqlite3
@@ -18,7 +17,7 @@ import httpx
 import pytest
 import uvicorn
 
-from ninfer.lifecycle import events as ev
+from ninfer.lifecycle.reader import JournalReader
 from ninfer.server.serve import add_serve_parser, build
 
 OPTIONS = ["--spec", "mtp", "--max-concurrency", "2", "--prefill-chunk", "48",
@@ -43,11 +42,12 @@ class Running:
 
     def events(self, request_id: str) -> list[tuple[str, dict, float]]:
         """(kind, data, time) of one request's journaled events, in order."""
-        with contextlib.closing(sqlite3.connect(f"file:{self.journal_path}?mode=ro",
-                                                uri=True)) as db:
-            rows = db.execute("SELECT kind, data, time FROM events WHERE request = ? "
-                              "ORDER BY seq", (request_id,)).fetchall()
-        return [(k, ev.readable_payload(k, json.loads(d)), t) for k, d, t in rows]
+        # (a reader on a plain read-only connection: `open`'s look at the live WAL is not
+        # needed); it reads lists that name earlier rows' whole
+        with JournalReader(sqlite3.connect(f"file:{self.journal_path}?mode=ro", uri=True),
+                           self.journal_path) as reader:
+            rows = [reader.readable(r) for r in reader.rows(request=request_id)]
+        return [(r["kind"], r["data"], r["time"]) for r in rows]
 
     def wait_terminal(self, request_id: str, timeout: float = 10.0,
                       kinds=("RequestFinished", "RequestCancelled", "RequestFailed")):

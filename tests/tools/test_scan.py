@@ -13,7 +13,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ninfer.lifecycle import events as ev
 from ninfer.lifecycle.checks import JournalChecker
 from ninfer.lifecycle.journal import JournalError
 from ninfer.lifecycle.reader import JournalReader
@@ -39,11 +38,12 @@ def reference(path: Path) -> tuple[str, int | None, int | None, int]:
     one checker the stateful tests use."""
     conn = sqlite3.connect(path)
     checker, verified = JournalChecker(), 0
+    decode = JournalReader(conn, str(path)).decode   # (lists that name earlier rows' too)
     try:
         for row in conn.execute("SELECT seq, time, request, conversation, kind, data "
                                 "FROM events ORDER BY seq"):
             try:
-                e = ev.from_row(*row)
+                e = decode(row)
             except Exception:  # noqa: BLE001 - an unreadable event, as the tools say
                 return "unreadable", None, row[0], verified
             try:
@@ -60,6 +60,7 @@ def reference_replay(path: Path) -> tuple[str, int | None, int | None]:
     """Where the fold of every decoded event stops, as the first replay did."""
     conn = sqlite3.connect(path)
     store, last = ContinuationStore(), 0
+    decode = JournalReader(conn, str(path)).decode
     try:
         for row in conn.execute("SELECT seq, time, request, conversation, kind, data "
                                 "FROM events ORDER BY seq"):
@@ -67,7 +68,7 @@ def reference_replay(path: Path) -> tuple[str, int | None, int | None]:
                 return "violation", 4, row[0]
             last = row[0]
             try:
-                e = ev.from_row(*row)
+                e = decode(row)
             except Exception:  # noqa: BLE001
                 return "unreadable", None, row[0]
             try:
@@ -176,8 +177,9 @@ def test_replay_finds_the_fold_the_checker_finds(journals):
 
 def _decoded(path: Path):
     conn = sqlite3.connect(path)
+    decode = JournalReader(conn, str(path)).decode
     try:
-        yield from (ev.from_row(*r) for r in conn.execute(
+        yield from (decode(r) for r in conn.execute(
             "SELECT seq, time, request, conversation, kind, data FROM events ORDER BY seq"))
     finally:
         conn.close()
