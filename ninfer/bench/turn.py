@@ -198,15 +198,16 @@ def host_stages(server, messages: list[dict], session: str) -> dict[str, float]:
     vocab = server.vocab_size
     hashes = block_hashes(submit.prompt)
     earlier = submit.prompt[:-NEW_TOKENS]   # (about) the turn before's prompt
+    before = RequestQueued(seq=1, tenant=tenant, prompt_len=len(earlier),
+                           block_hashes=block_hashes(earlier), tokens=earlier)
+    row = RequestQueued(seq=2, tenant=tenant, prompt_len=len(submit.prompt),
+                        block_hashes=hashes, tokens=submit.prompt)
 
     def journaled_row() -> str:
         """The row as the journal writes it after the turn before's: naming that row's
         lists (`listrefs`), the new ids packed."""
         refs = Referrer()
-        refs.packer(RequestQueued(seq=1, tenant=tenant, prompt_len=len(earlier),
-                                  block_hashes=block_hashes(earlier), tokens=earlier))
-        row = RequestQueued(seq=2, tenant=tenant, prompt_len=len(submit.prompt),
-                            block_hashes=hashes, tokens=submit.prompt)
+        refs.packer(before)
         return to_json(row, refs.packer(row))
     return {
         "parse": _timed(lambda: from_chat(validate(ChatRequest, json.loads(raw)),
