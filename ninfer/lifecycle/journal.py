@@ -62,14 +62,14 @@ def _v2(db: sqlite_utils.Database) -> None:
     characters."""
 
 
-# version -> migration from version-1, up to journalfile.SCHEMA_VERSION; each runs in one
-# transaction with its version stamp
 def _v3(db: sqlite_utils.Database) -> None:
     """Rows from now on may start a packed list with an earlier row's (`listrefs`): a
     conversation's turn carries its new tokens, not its whole context again. Nothing to
     change; the stamp keeps a build that cannot follow such a list from misreading it."""
 
 
+# version -> migration from version-1, up to journalfile.SCHEMA_VERSION; each runs in one
+# transaction with its version stamp
 MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {1: _v1, 2: _v2, 3: _v3}
 
 

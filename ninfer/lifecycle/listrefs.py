@@ -22,7 +22,17 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from .events import EVENT_TYPES, PACKINGS, Event, list_paths, lists_of, pack, packed_items
+from .events import (
+    EVENT_TYPES,
+    PACKINGS,
+    Event,
+    list_paths,
+    lists_of,
+    pack,
+    packed_items,
+    reset_resolving,
+    resolving,
+)
 from .hashing import HASH_BLOCK
 
 RECENT = 8          # rows the writer keeps to refer to, whatever their conversation
@@ -151,6 +161,17 @@ class Resolver:
         self.fetch = fetch
         self.cache: OrderedDict[tuple[str, int], array] = OrderedDict()
 
+    def below(self, row: int) -> Callable[[str, int, int], array]:
+        """The resolver for the lists of the row at seq `row`: they may name only rows
+        before it (a damaged row that names itself or a later one is refused, not
+        followed round)."""
+        def resolve(code: str, seq: int, n: int) -> array:
+            if seq >= row:
+                raise ValueError(f"a packed list of row {row} names row {seq}, not one "
+                                 "before it")
+            return self(code, seq, n)
+        return resolve
+
     def __call__(self, code: str, seq: int, n: int) -> array:
         items = self.cache.get((code, seq))
         if items is None:
@@ -177,4 +198,8 @@ class Resolver:
             value = value.get(name) if isinstance(value, dict) else None
         if type(value) is not str:   # (a list in a row of version 1 cannot be named)
             raise ValueError(f"a packed list names row {seq}'s {tag} list, which it lacks")
-        return packed_items(value)
+        token = resolving(self.below(seq))   # its own references, to rows before it
+        try:
+            return packed_items(value)
+        finally:
+            reset_resolving(token)

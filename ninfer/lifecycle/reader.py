@@ -178,7 +178,7 @@ class JournalReader:
         try:
             if type(row[5]) is not str or "le@" not in row[5]:
                 return from_row(*row)
-            with self.resolving():
+            with self.resolving(row[0]):
                 return from_row(*row)
         except Exception as e:  # any row that does not decode is the journal's fault
             raise UnreadableEvent.of_row(self.path, row, e) from e
@@ -187,18 +187,18 @@ class JournalReader:
         """One row as `journal export` writes it: the envelope, kind and payload, its
         packed lists as lists (the ones that name earlier rows' read whole)."""
         seq, time, request, conversation, kind, data = row
-        with self.resolving():
+        with self.resolving(seq):
             payload = ev.readable_payload(kind, json.loads(data))
         return {"seq": seq, "time": time, "request": request, "conversation": conversation,
                 "kind": kind, "data": payload}
 
     @contextlib.contextmanager
-    def resolving(self) -> Iterator[None]:
-        """A context in which packed lists that name earlier rows are read from this
-        journal (`events.token_ids`)."""
+    def resolving(self, seq: int) -> Iterator[None]:
+        """A context in which the packed lists of the row at `seq` that name earlier rows
+        are read from this journal (`events.token_ids`)."""
         if self._resolve is None:
             self._resolve = Resolver(self._fetch)
-        token = ev.resolving(self._resolve)
+        token = ev.resolving(self._resolve.below(seq))
         try:
             yield
         finally:

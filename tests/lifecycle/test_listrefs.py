@@ -16,6 +16,7 @@ from ninfer.lifecycle import listrefs
 from ninfer.lifecycle.hashing import HASH_BLOCK, block_hashes
 from ninfer.lifecycle.journal import Journal, JournalError
 from ninfer.lifecycle.listrefs import Referrer, chained_prefix
+from ninfer.lifecycle.reader import UnreadableEvent
 
 from .factories import endpoint
 
@@ -172,3 +173,12 @@ def test_short_shared_prefixes_are_written_whole():
     refs.packer(a)
     b = queued(2, [*range(3 * HASH_BLOCK), *range(900, 960)])
     assert "@" not in ev.to_json(b, refs.packer(b))
+
+
+def test_a_damaged_row_that_names_itself_is_refused_not_followed_round():
+    events = conversation(2)
+    journal, rows = written(events)
+    seq, time, request, conversation_, kind, data = rows[2]
+    looped = data.replace("u32le@2+", "u32le@3+")
+    with pytest.raises(UnreadableEvent, match="not one before it"):
+        journal.reader.decode((seq, time, request, conversation_, kind, looped))
