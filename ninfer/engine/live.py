@@ -10,7 +10,7 @@ from ..lifecycle.request import Request
 from ..model.protocol import Lane
 from .choice import Choice
 from .runner import Held
-from .speculative import AdaptiveDraft
+from .speculative import AdaptiveDraft, NgramIndex
 
 if TYPE_CHECKING:
     from .rounds import DraftedRound
@@ -27,6 +27,7 @@ class Live:
     choice: Choice
     captures: list[Held] = field(default_factory=list)
     round: DraftedRound | None = None
+    ngrams: NgramIndex = field(default_factory=NgramIndex)   # n-gram drafting's lookup
 
 
 # Reserve blocks for a lane's next work (attention KV up to, MTP KV up to); False when the

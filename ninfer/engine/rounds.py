@@ -74,7 +74,8 @@ class Rounds:
                 runner.reserve(lane, frontier + 2)
             except OutOfMemory:
                 pass  # that step is then not run ahead: only time is lost
-        drafts, probs = runner.draft(lane, request.sequence, frontier, k, live.choice)
+        drafts, probs = runner.draft(lane, request.so_far, frontier, k, live.choice,
+                                     live.ngrams)
         admitted = live.choice.admit(drafts)  # a grammar cuts them before the verify
         drafts, probs = drafts[:admitted], probs[:admitted] if probs is not None else None
         if runner.mtp:
@@ -93,7 +94,7 @@ class Rounds:
         """One batched verify forward for every lane with a drafted round. A lane whose
         parts are broken fails alone (`fail(request, message)`); the others go on."""
         lives = [x for x in lives if x.round is not None]
-        items = [(x.lane, [x.request.sequence[-1], *x.round.drafts], x.round.frontier)
+        items = [(x.lane, [x.request.last_token, *x.round.drafts], x.round.frontier)
                  for x in lives]
         # plain greedy decode: every lane that goes on feeds its greedy token next, so the
         # model may run that step ahead; not when a lane makes its last token (a step run
@@ -131,7 +132,7 @@ class Rounds:
         # while drafting pauses, the MTP layer catches up in batches, not every token
         lag = drafted.frontier + count - 1 - lane.mtp_valid
         eager = not live.drafting.paused or lag >= MTP_BATCH
-        self.runner.commit(lane, rnd, count, drafted.frontier, request.sequence,
+        self.runner.commit(lane, rnd, count, drafted.frontier, request.so_far,
                            catch_up=eager)
         request.cursor = drafted.frontier + count
         request.emit(ev.TokensCommitted, tokens=committed, frontier=request.cursor,

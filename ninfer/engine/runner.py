@@ -11,7 +11,7 @@ from ..lifecycle.hashing import block_hashes, extend_block_hashes, prefix_hash
 from ..model.pools import BlockPool, OutOfMemory, SlotPool
 from ..model.protocol import Lane, MissingStatePart, Model, MtpOut
 from .choice import Choice
-from .speculative import ngram_draft
+from .speculative import NgramIndex
 
 
 class ReuseMismatch(AssertionError):
@@ -245,14 +245,15 @@ class Runner:
             del lane.hidden[pos]
         return last
 
-    def draft(self, lane: Lane, seq: Sequence[int], frontier: int, k: int, choice: Choice
-              ) -> tuple[list[int], list | None]:
+    def draft(self, lane: Lane, seq: Sequence[int], frontier: int, k: int, choice: Choice,
+              ngrams: NgramIndex | None = None) -> tuple[list[int], list | None]:
         """k draft tokens continuing seq (whose last token, at `frontier`, is not fed yet),
-        with the distributions they were drawn from (None for a deterministic drafter)."""
+        with the distributions they were drawn from (None for a deterministic drafter).
+        `ngrams`: the lane's n-gram index, kept between its rounds."""
         if k <= 0:
             return [], None
         if self.mode.spec == "ngram":
-            return ngram_draft(seq, k), None
+            return (ngrams or NgramIndex()).draft(seq, k), None
         if not self.mtp:
             return [], None
         # the first draft comes from the MTP forward at frontier-1; run it even if its entry

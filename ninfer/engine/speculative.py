@@ -18,6 +18,37 @@ def ngram_draft(tokens: Sequence[int], k: int, n: int = 2) -> list[int]:
     return []
 
 
+class NgramIndex:
+    """`ngram_draft` for one request's growing sequence, by an index of where each n-gram
+    last started: a round looks up the tail and indexes the tokens new since the last
+    round, where `ngram_draft` scans back over the context (4.4 ms at 32K tokens on this
+    CPU when the tail has not occurred, every round of every lane). The sequence only
+    grows (a request's prompt and outputs); one shorter than the one indexed starts the
+    index over."""
+
+    def __init__(self, n: int = 2) -> None:
+        self.n = n
+        self.last: dict[tuple[int, ...], int] = {}   # n-gram -> its latest start indexed
+        self.upto = 0                               # starts [0, upto) are indexed
+
+    def draft(self, tokens: Sequence[int], k: int) -> list[int]:
+        n = self.n
+        if k <= 0 or len(tokens) <= n:
+            return []
+        end = len(tokens) - n   # the tail's start: earlier starts are the candidates
+        if end < self.upto:
+            self.last.clear()
+            self.upto = 0
+        if end > self.upto:   # the new starts' n-grams, a later start replacing an earlier
+            window = tuple(tokens[self.upto:end + n - 1])
+            grams = zip(*(window[j:] for j in range(n)), strict=False)  # (shifted: the
+            #                                                      shortest, n - 1 less, ends it)
+            self.last.update(zip(grams, range(self.upto, end), strict=True))
+            self.upto = end
+        start = self.last.get(tuple(tokens[end:]))
+        return [] if start is None else list(tokens[start + n:start + n + k])
+
+
 def accept_greedy(drafts: Sequence[int], greedy: Sequence[int]) -> int:
     """Length of the longest prefix of `drafts` the verifier agrees with.
 

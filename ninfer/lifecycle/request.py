@@ -9,14 +9,51 @@ as the trigger's arguments.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from . import adoption, salvage
 from .eventlog import EventLog
 from .facts import Mode
 from .hashing import extend_block_hashes
 from .planner import Plan
+
+
+class TokensSoFar(Sequence[int]):
+    """A request's prompt and outputs as one sequence, read in place: an item or a slice
+    copies only what it returns."""
+
+    __slots__ = ("prompt", "outputs")
+
+    def __init__(self, prompt: tuple[int, ...], outputs: list[int]) -> None:
+        self.prompt, self.outputs = prompt, outputs
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.outputs)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> tuple[int, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> int | tuple[int, ...]:
+        p = len(self.prompt)
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return (self.prompt + tuple(self.outputs))[i]
+            if stop <= p:
+                return self.prompt[start:stop]
+            if start >= p:
+                return tuple(self.outputs[start - p:stop - p])
+            return self.prompt[start:] + tuple(self.outputs[:stop - p])
+        n = len(self)
+        j = i + n if i < 0 else i
+        if not 0 <= j < n:
+            raise IndexError("index out of range")
+        return self.prompt[j] if j < p else self.outputs[j - p]
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +167,18 @@ class Request:
         return self.prompt + tuple(self.outputs)
 
     @property
+    def so_far(self) -> TokensSoFar:
+        """`sequence` without the copy (a decode round's drafting, verify and commit read a
+        few of its tokens; copying 32K of context cost ~40 us each, three times a round,
+        on every lane): a view that follows the outputs as they grow."""
+        return TokensSoFar(self.prompt, self.outputs)
+
+    @property
+    def last_token(self) -> int:
+        """The sequence's last token (the one a decode round feeds)."""
+        return self.outputs[-1] if self.outputs else self.prompt[-1]
+
+    @property
     def target(self) -> int:
         """Frontier to reach before decoding: the last output token is never fed yet."""
         return len(self.prompt) + max(len(self.outputs) - 1, 0)
@@ -161,7 +210,8 @@ class Request:
     # --- guards (named in specs/lifecycle.toml) -----------------------------------------
 
     def has_plan(self, _event=None) -> bool:
-        return self.plan is not None and self.plan.reuse_base < len(self.sequence)
+        return self.plan is not None and self.plan.reuse_base < len(self.prompt) + len(
+            self.outputs)
 
     def prefill_done(self, _event=None) -> bool:
         return self.cursor == self.target

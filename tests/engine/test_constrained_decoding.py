@@ -158,8 +158,8 @@ def test_drafts_are_cut_at_the_first_token_the_grammar_refuses_before_the_verify
     real_draft, real_forward = Runner.draft, Runner.forward_many
     fed: list[int] = []
 
-    def drafter(self, lane, seq, frontier, k, choice):
-        real_draft(self, lane, seq, frontier, k, choice)  # the MTP layer still runs
+    def drafter(self, lane, seq, frontier, k, choice, ngrams=None):
+        real_draft(self, lane, seq, frontier, k, choice, ngrams)  # the MTP layer still runs
         done = len(seq) - len(PROMPT)
         return [*want[done:done + 1], refused, refused][:k], None
 

@@ -1,12 +1,72 @@
 """Drafting helpers: n-gram lookup, greedy acceptance, truncation, adaptive length."""
 
-from ninfer.engine.speculative import AdaptiveDraft, accept_greedy, ngram_draft, truncate
+from collections.abc import Sequence
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ninfer.engine.speculative import (
+    AdaptiveDraft,
+    NgramIndex,
+    accept_greedy,
+    ngram_draft,
+    truncate,
+)
+from ninfer.lifecycle.request import TokensSoFar
 
 
 def test_ngram_draft_follows_the_latest_earlier_occurrence():
     assert ngram_draft([1, 2, 3, 9, 1, 2, 4, 5, 1, 2], 3) == [4, 5, 1]
     assert ngram_draft([1, 2, 3], 3) == []
     assert ngram_draft([5, 6, 5, 6], 0) == []
+
+
+@given(st.integers(1, 3),
+       st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=5),
+                          st.integers(0, 4)), max_size=30))
+def test_the_ngram_index_drafts_what_the_scan_does(n, rounds):
+    """A request's sequence grows between rounds; the index's drafts are the scan's."""
+    index, prompt, outputs = NgramIndex(n), (3, 1), []
+    for new, k in rounds:
+        outputs.extend(new)
+        seq = TokensSoFar(prompt, outputs)
+        assert index.draft(seq, k) == ngram_draft(prompt + tuple(outputs), k, n)
+
+
+class Reads(Sequence):
+    """A sequence that counts the items its readers copy out."""
+
+    def __init__(self, items):
+        self.items, self.read = list(items), 0
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        got = self.items[i]
+        self.read += len(got) if isinstance(i, slice) else 1
+        return got
+
+
+def test_a_round_of_the_ngram_index_reads_the_new_tokens_not_the_context():
+    tokens = Reads(range(10_000))
+    index = NgramIndex()
+    index.draft(tokens, 3)
+    tokens.items += [7, 8, 9, 7, 8]
+    tokens.read = 0
+    assert index.draft(tokens, 3) == [9, 7, 8]
+    assert tokens.read <= 16
+
+
+@given(st.lists(st.integers(0, 9), max_size=8), st.lists(st.integers(0, 9), max_size=8),
+       st.integers(-10, 10), st.integers(-10, 10), st.sampled_from([None, 1, 2, -1]))
+def test_tokens_so_far_reads_as_prompt_and_outputs(prompt, outputs, a, b, step):
+    view, whole = TokensSoFar(tuple(prompt), outputs), tuple(prompt) + tuple(outputs)
+    assert len(view) == len(whole) and tuple(view) == whole
+    assert view[a:b:step] == whole[a:b:step]
+    assert [view[i] for i in range(-len(whole), len(whole))] == list(whole) * 2
+    outputs.append(5)
+    assert view[-1] == 5 and len(view) == len(whole) + 1   # it follows the outputs
 
 
 def test_accept_greedy_and_truncate():

@@ -50,8 +50,8 @@ def test_accepted_and_rejected_drafts_roll_every_part_back(spec, monkeypatch):
     ref, gaps = reference(PROMPT, 16)
     real_draft = Runner.draft
 
-    def oracle(self, lane, seq, frontier, k, choice):
-        real_draft(self, lane, seq, frontier, k, choice)  # the MTP layer still runs
+    def oracle(self, lane, seq, frontier, k, choice, ngrams=None):
+        real_draft(self, lane, seq, frontier, k, choice, ngrams)  # the MTP layer still runs
         done = len(seq) - len(PROMPT)
         drafts = list(ref[done:done + k])
         return [t if (done + i) % 3 else (t + 1) % 97 for i, t in enumerate(drafts)], None
@@ -198,8 +198,8 @@ def _oracle_drafts(monkeypatch, ref):
     0..k drafts)."""
     real_draft = Runner.draft
 
-    def oracle(self, lane, seq, frontier, k, choice):
-        real_draft(self, lane, seq, frontier, k, choice)
+    def oracle(self, lane, seq, frontier, k, choice, ngrams=None):
+        real_draft(self, lane, seq, frontier, k, choice, ngrams)
         done = len(seq) - len(PROMPT)
         drafts = list(ref[done:done + k])
         return [t if (done + i) % 3 else (t + 1) % 97 for i, t in enumerate(drafts)], None
