@@ -44,7 +44,7 @@ class Exits:
         request = live.request
         if request.cursor > 0 and live.lane.slot >= 0:
             held = self.runner.hand_over(live.lane, self.checkpoint_id(request),
-                                         request.sequence[:request.cursor],
+                                         request.so_far[:request.cursor],
                                          request.sequence_hashes)
             live.captures.insert(0, held)
         out = [Candidate(held.role, self.facts(held)) for held in live.captures

@@ -49,7 +49,7 @@ class Prefill:
         reached, else None (a detached prefill stops at its goal, samples nothing and is
         never `Prefilled`)."""
         request, lane, runner = live.request, live.lane, self.runner
-        seq = request.sequence
+        seq = request.so_far
         start = request.cursor
         end = min(start + min(self.chunk, limit or self.chunk), request.prefill_goal)
         stops = [p for p in self.checkpoint_positions(request) if start < p < end]
@@ -88,7 +88,7 @@ class Prefill:
         """The MTP layer catches up before a finished turn's state is published."""
         if self.runner.mtp:
             request = live.request
-            self.runner.mtp_catch_up(live.lane, request.sequence, request.cursor - 1)
+            self.runner.mtp_catch_up(live.lane, request.so_far, request.cursor - 1)
             for held in live.captures:
                 self.runner.extend(held, live.lane)
 
@@ -113,7 +113,7 @@ class Prefill:
         for role in roles:
             if not self.free_slot():
                 return
-            tokens = request.sequence[:position]
+            tokens = request.so_far[:position]
             held = self.runner.capture(live.lane, self.checkpoint_id(request), tokens, role,
                                        request.sequence_hashes, state)
             live.captures.append(held)

@@ -123,7 +123,7 @@ class Scheduler:
         preempted requests do not come straight back and preempt in turn."""
         if live == 0:
             return True
-        positions = len(request.sequence) + request.params.max_tokens + self.draft_tokens
+        positions = len(request.so_far) + request.params.max_tokens + self.draft_tokens
         return self.blocks.free >= self.blocks.blocks_for(positions) * self.kv_copies
 
     # --- memory pressure -----------------------------------------------------------------
