@@ -5,7 +5,7 @@
 # benchmarks, writing JSON results to $OUT (or bench/results/ when OUT is unset).
 #
 #   bench/gpu.sh [kernels] [engine] [baseline] [skinny] [gdn-sweep] [profile] [turn-profile]
-#                [prefill] [serve]
+#                [prefill] [prefill-profile] [serve]
 #                (default: the first three)
 #
 # Wheels to carry in .whl/ (pip download --no-deps for CPython 3.12 manylinux x86_64 on a
@@ -54,6 +54,9 @@ for stage in $stages; do
         ;;
     prefill)  # a cold prefill's TTFT at chunk sizes, against transformers + fla (fla-core wheel)
         python3 -m ninfer.bench.gpu_prefill "$OUT/prefill-chunks-$(python3 -c "from ninfer.bench.serve_outside import card_name; print(card_name('cuda'))").json" || status=1
+        ;;
+    prefill-profile)  # a long prefill step by step: wall time against its kernels' time
+        python3 -m ninfer.bench.prefill_profile --sizes 32768,4096 --json "$OUT/prefill-profile-$(python3 -c "from ninfer.bench.serve_outside import card_name; print(card_name('cuda'))").json" || status=1
         ;;
     profile)  # kernel by kernel: the decode graphs (with and without PDL), the prefill
         python3 -m ninfer.bench.profile "$OUT/profile-h200.json" || status=1
