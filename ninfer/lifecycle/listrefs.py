@@ -8,10 +8,11 @@ and the engine thread writes a context's worth of rows on the way to every first
 an earlier row's list of the same packing, in the same file (`events.pack`'s `after`), and
 carry only the rest.
 
-`Referrer` (the writer's) keeps the lists of the last rows it wrote and, for a new row's
-lists, the longest prefix one of them shares, compared item by item, never trusted to a
-hash. A reference chain is at most `MAX_DEPTH` rows long (then a row is written whole) so a
-reader with no cache reads a bounded number of rows. `Resolver` (the reader's) reads the
+`Referrer` (the writer's) keeps the lists of the last rows it wrote and of each recent
+conversation's last rows and, for a new row's lists, finds the longest prefix one of them
+shares, checked item by item, never trusted to a hash. A reference chain is at most
+`MAX_DEPTH` rows long (then a row is written whole) so a reader with no cache reads a
+bounded number of rows. `Resolver` (the reader's) reads the
 named rows, a few of the lists it built kept for the next row's reference."""
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ from .events import (
 from .hashing import HASH_BLOCK
 
 RECENT = 8          # rows the writer keeps to refer to, whatever their conversation
-CONVERSATIONS = 256  # conversations whose last rows it keeps (their next turn names them)
+# conversations whose last rows it keeps (their next turn names them); the lists are the
+# events' own tuples, mostly held by the store's endpoints too, but a conversation's 32K
+# ids kept only here cost ~1 MB: this bounds that
+CONVERSATIONS = 64
 MAX_DEPTH = 16      # rows a reference may lead through before one is written whole
 MIN_BLOCKS = 4      # hashed blocks (64 token ids) a reference must share to be worth it
 CACHED = 16         # lists the reader keeps, for the rows that follow

@@ -210,8 +210,7 @@ class Request:
     # --- guards (named in specs/lifecycle.toml) -----------------------------------------
 
     def has_plan(self, _event=None) -> bool:
-        return self.plan is not None and self.plan.reuse_base < len(self.prompt) + len(
-            self.outputs)
+        return self.plan is not None and self.plan.reuse_base < len(self.so_far)
 
     def prefill_done(self, _event=None) -> bool:
         return self.cursor == self.target
