@@ -208,6 +208,8 @@ class Journal:
                     conn.execute("ROLLBACK")
                 raise
         self._last_seq = events[-1].seq
+        if self._wal is not None:
+            self._wal.wrote(sum(len(r[5]) for r in rows))
 
     def read(self, start_seq: int = 1, kinds: Sequence[str] | None = None) -> Iterator[Event]:
         """`reader.events`: the events with seq >= start_seq in seq order, streamed; only
