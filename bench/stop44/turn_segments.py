@@ -4,7 +4,9 @@ and the journal's event times (one machine): the request sent -> RequestQueued e
 (the engine's step) -> the first token at the client (the step's commit, delivery, SSE).
 
 Turns alternate: odd ones are next turns, even ones from the third on are retries of the
-turn before (the same history, another message).
+turn before (the same history, another message). Since stop 45 also `--model`,
+`--serve-arg`, and the server's slow-step lines of the last turn (every step logged), so
+the engine's segment is split into its forward and the host's work.
 
     .venv/bin/python bench/stop44/turn_segments.py --size 16384 --turns 9
 """
@@ -49,14 +51,17 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=16384)
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for the server")
+    ap.add_argument("--model", default=None, help="a .ninfer file (default: the default model)")
+    ap.add_argument("--serve-arg", action="append", default=[], help="another serve option")
     a = ap.parse_args()
     env = dict(e.split("=", 1) for e in a.env)
     # the quick CPU sizes with this conversation the longest: the context and the KV
     # pool that `server_options` gives for it
-    opts = server_options("cpu", None, dataclasses.replace(sizes_for("cpu", True),
-                          next_turn=(a.size,)), 2, [])
+    opts = server_options("cpu", a.model, dataclasses.replace(sizes_for("cpu", True),
+                          next_turn=(a.size,)), 2,
+                          ["--log-slow-steps", "0.001", *a.serve_arg])
     folder = Path(tempfile.mkdtemp(prefix="turn-seg-"))
-    prompts = PromptMaker.for_model(None)
+    prompts = PromptMaker.for_model(a.model)
     rows = []
     with started(["--spec", "none", *opts], folder, env=env or None) as server:
         history = prompts.messages(a.size, 1)
@@ -69,6 +74,8 @@ def main() -> None:
             if k % 2 == 0:
                 history = [*msgs, {"role": "assistant", "content": reply}]
         time.sleep(0.5)
+        steps = [line.split("slow step", 1)[1].strip() for line in
+                 server.log.read_text().splitlines() if "slow step" in line]
         reader = JournalReader.open(folder / "journal.db")
         queued = list(reader.events(kinds=["RequestQueued"]))[-len(rows):]
         firsts = {}
@@ -83,6 +90,9 @@ def main() -> None:
         seg["client"].append(1e3 * (first - sent))
     for k, v in seg.items():
         print(f"{k:10} median {statistics.median(v):7.2f} ms   {[round(x, 1) for x in v]}")
+    print("the last turn's steps:")
+    for line in steps[-4:]:
+        print("  ", line)
 
 
 if __name__ == "__main__":
