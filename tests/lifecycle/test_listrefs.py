@@ -16,7 +16,7 @@ from ninfer.lifecycle import listrefs
 from ninfer.lifecycle.hashing import HASH_BLOCK, block_hashes
 from ninfer.lifecycle.journal import Journal, JournalError
 from ninfer.lifecycle.listrefs import Referrer, chained_prefix
-from ninfer.lifecycle.reader import UnreadableEvent
+from ninfer.lifecycle.reader import JournalReader, UnreadableEvent
 
 from .factories import endpoint
 
@@ -182,3 +182,32 @@ def test_a_damaged_row_that_names_itself_is_refused_not_followed_round():
     looped = data.replace("u32le@2+", "u32le@3+")
     with pytest.raises(UnreadableEvent, match="not one before it"):
         journal.reader.decode((seq, time, request, conversation_, kind, looped))
+
+
+def test_the_journal_tools_read_a_served_conversation_whose_rows_name_earlier_ones(
+        tmp_path, capsys):
+    """Three turns of one conversation through the engine (SimModel): its rows name the
+    turn before's, and check, replay, show, stats and redrive read them as they read whole
+    rows."""
+    from ninfer.engine.engine import EngineConfig
+    from ninfer.sim.harness import Harness
+    from ninfer.tools.journal import main
+    path = tmp_path / "j.db"
+    journal = Journal.open(path)
+    h = Harness(EngineConfig(spec="mtp", prefill_chunk=64, max_context=2048), journal=journal,
+                num_blocks=1024)
+    prompt = tuple(1 + i % 90 for i in range(300))
+    for turn in range(3):
+        rid = h.submit(prompt, "s", max_tokens=6)
+        h.run()
+        assert len(h.outputs(rid)) == 6
+        prompt = prompt + h.outputs(rid) + tuple(range(10 + turn, 40 + turn))
+    journal.close()
+    with JournalReader.open(path) as reader:
+        rows = list(reader.rows(kinds=("RequestQueued", "EndpointPublished")))
+    queued = [r for r in rows if r[4] == "RequestQueued"]
+    assert "u32le@" not in queued[0][5] and all("u32le@" in r[5] for r in queued[1:])
+    for command in ("check", "replay", "stats", "redrive"):
+        assert main(["journal", command, str(path)]) == 0, command
+    assert main(["journal", "show", str(path), "--conversation", "s"]) == 0
+    capsys.readouterr()
