@@ -73,7 +73,7 @@ def test_without_token_ids_the_hashes_are_named_all_the_same():
     events = conversation(6, content=False)
     journal, rows = written(events)
     assert list(journal.read()) == events
-    assert all('"block_hashes":"u64le@' in r[5] or "u64le@" in r[5] for r in rows[1:])
+    assert all("u64le@" in r[5] and "u32le" not in r[5] for r in rows[1:])
 
 
 def test_a_next_turn_names_its_conversation_after_others_wrote_between():
