@@ -188,8 +188,8 @@ def _force_drafts(mode: str | None, answers: dict):
         return lambda: None
     real = Runner.draft
 
-    def forced(self, lane, seq, frontier, k, choice):
-        real(self, lane, seq, frontier, k, choice)  # the drafter's own work still runs
+    def forced(self, lane, seq, frontier, k, choice, ngrams=None):
+        real(self, lane, seq, frontier, k, choice, ngrams)  # the drafter's own work still runs
         if k <= 0:
             return [], None
         if mode == "reject":
