@@ -27,6 +27,8 @@ STEP = "ninfer-step-"
 def profile_prefill(bench, engine, n: int, top: int = 15) -> dict:
     """Profile one prefill of `n` tokens on `engine` (a `Bench`'s), after an untimed one."""
     from torch.profiler import ProfilerActivity, profile, record_function
+
+    from ..engine.engine import run_until_idle
     bench.ttft(engine, bench.prompt(n), 1)   # the shapes' compiles and plans
     clean: list[float] = []                   # ms a step, no profiler
     first_s, _ = bench.ttft(engine, bench.prompt(n), 1, steps=clean)
@@ -77,11 +79,6 @@ def attribute(ranges: list[tuple[int, float, float]], walls: list[float],
     slowest = sorted(({"kernel": k, "launches": v[0], "device_ms": v[1]}
                       for k, v in by_name.items()), key=lambda r: -r["device_ms"])[:top]
     return steps, slowest
-
-
-def run_until_idle(engine) -> None:
-    from ..engine.engine import run_until_idle as run
-    run(engine)
 
 
 def print_table(r: dict, file=None) -> None:

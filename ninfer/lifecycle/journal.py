@@ -203,7 +203,6 @@ class Journal:
                 conn.execute("COMMIT")
             except BaseException:
                 refs.forget()
-                self._reader.forget_lists()   # their seqs are written again next
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise

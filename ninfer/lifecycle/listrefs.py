@@ -74,10 +74,10 @@ class Referrer:
         """A packer for `ev`'s row (`events.to_row`), after which its lists are kept for
         the rows that follow."""
         lists = lists_of(ev)
-        chosen: dict[str, tuple[int, int]] = {}
-        if lists:
-            chosen, depth = self._choose(lists, self._candidates(ev.conversation))
-            self._keep(Kept(ev.seq, lists, depth), ev.conversation)
+        if not lists:   # (most rows: a decode round's tokens hold no packed list)
+            return pack
+        chosen, depth = self._choose(lists, self._candidates(ev.conversation))
+        self._keep(Kept(ev.seq, lists, depth), ev.conversation)
 
         def packer(values: tuple[int, ...], tag: str) -> str:
             after = chosen.get(tag)

@@ -204,10 +204,6 @@ class JournalReader:
         finally:
             ev.reset_resolving(token)
 
-    def forget_lists(self) -> None:
-        """Drop the lists kept from rows read (the writer's, after rows rolled back)."""
-        self._resolve = None
-
     def _fetch(self, seq: int) -> tuple[str, str] | None:
         return self.conn.execute("SELECT kind, data FROM events WHERE seq = ?",
                                  (seq,)).fetchone()

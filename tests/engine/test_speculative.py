@@ -58,6 +58,12 @@ def test_a_round_of_the_ngram_index_reads_the_new_tokens_not_the_context():
     assert tokens.read <= 16
 
 
+def test_the_ngram_index_starts_over_for_a_shorter_sequence():
+    index = NgramIndex()
+    assert index.draft(tuple([1, 2, 7, 8, 9] * 3) + (1, 2), 2) == [7, 8]
+    assert index.draft((5, 1, 2, 3, 1, 2), 2) == [3, 1]   # (not the sequence before's)
+
+
 @given(st.lists(st.integers(0, 9), max_size=8), st.lists(st.integers(0, 9), max_size=8),
        st.integers(-10, 10), st.integers(-10, 10), st.sampled_from([None, 1, 2, -1]))
 def test_tokens_so_far_reads_as_prompt_and_outputs(prompt, outputs, a, b, step):

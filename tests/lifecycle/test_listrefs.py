@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 
 import pytest
 from hypothesis import given
@@ -211,3 +212,26 @@ def test_the_journal_tools_read_a_served_conversation_whose_rows_name_earlier_on
         assert main(["journal", command, str(path)]) == 0, command
     assert main(["journal", "show", str(path), "--conversation", "s"]) == 0
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("damage, why", [
+    ("u32le@2+999999:", "names 999999 items of row 2's"),
+    ("u32le@0+", "names row 0, which this file lacks")])
+def test_a_reference_past_what_the_journal_holds_is_an_unreadable_row(damage, why):
+    events = conversation(2)
+    journal, rows = written(events)
+    seq, time, request, conversation_, kind, data = rows[2]
+    bad = data.replace("u32le@2+", damage.split("+")[0] + "+") if damage.endswith("+") \
+        else re.sub(r"u32le@2\+\d+:", damage, data)
+    with pytest.raises(UnreadableEvent, match=re.escape(why)):
+        journal.reader.decode((seq, time, request, conversation_, kind, bad))
+
+
+def test_the_writer_keeps_a_bounded_number_of_rows_and_conversations(monkeypatch):
+    monkeypatch.setattr(listrefs, "CONVERSATIONS", 3)
+    refs = Referrer()
+    for i in range(10):
+        e = dataclasses.replace(queued(i + 1, range(i, i + 200)), conversation=f"c{i}")
+        refs.packer(e)
+    assert len(refs.recent) == listrefs.RECENT
+    assert list(refs.conversations) == ["c7", "c8", "c9"]
