@@ -260,8 +260,9 @@ class TorchModel:
         its greedy token next if the lane goes on, so a one-token graph step launches the
         next step before returning (`DecodeGraphs.run`). `outputs` false: the caller reads
         only the greedy tokens, so a graph step may leave logits and hidden states out
-        (None). `reads` (one item): see `Model.forward`; a next turn's delta of 9 .. 32
-        tokens is then a graph replay (`turn_graphs`)."""
+        (None). `reads` (one item): see `Model.forward`; a forward of 9 .. 32 tokens with
+        them (a next turn's delta, a prompt's last piece) is then a graph replay
+        (`turn_graphs`)."""
         results: list[Forward | None] = [None] * len(items)
         groups: dict[int, list[int]] = {}
         for index, (_, tokens, _) in enumerate(items):
@@ -287,7 +288,10 @@ class TorchModel:
             # not made (None)
             last = n > 1 and (not per_position or reads is not None)
             self._launched += 1
-            if keep and self.turn_graphs is not None \
+            # a per-position delta, or a prefill's short piece (a chat prompt's last: the
+            # generation prompt past its message's end): an eager forward of a few tokens
+            # costs ~20 ms of launches on anchor-1b, a replay ~1 (bench/NOTES.md, stop 46)
+            if (keep or last) and self.turn_graphs is not None \
                     and self.turn_graphs.fits(lanes, n, starts[0], reads):
                 greedy, logits, hidden, kept = self.turn_graphs.run(
                     lanes[0], items[members[0]][1], starts[0], reads)

@@ -1,6 +1,8 @@
 """CUDA graphs of a next turn's delta: one lane's forward of 9 .. 32 tokens, every
 position's state made and a few of them kept (the ends of the messages the delta holds,
-where the engine captures anchors, and its last position).
+where the engine captures anchors, and its last position). A prompt's short last piece
+(a chat's generation prompt after its message's end: 9 tokens on anchor-1b with thinking
+off) replays them too, keeping its last position's state only.
 
 A served next turn sends back the reply and a new message: some 10 to 32 tokens the engine
 feeds in one per-position forward (`Model.keeps_states_up_to`). Eager, that forward on

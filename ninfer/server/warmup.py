@@ -10,7 +10,8 @@ Three parts, all on the engine thread, timed and logged:
   unaligned position), a one-token next turn, a half chunk and next turns of a few tokens
   (each with the message boundaries a served chat request has, where its prefill stops:
   a first turn's message end; a next turn's two, in one forward keeping its states),
-  a first piece of 128 tokens, short prompts alone and prefilled together, a sampled
+  a first piece of 128 tokens, a system message's first pieces of 2, 4 and 8 tokens and a
+  generation prompt of 5, short prompts alone and prefilled together, a sampled
   request. Triton specialises a
   kernel on its constexprs (tile sizes that follow a length's power of two) and its integer
   arguments (one, a multiple of 16, anything else): these lengths and offsets compile the
@@ -22,12 +23,16 @@ Three parts, all on the engine thread, timed and logged:
   each width, and with `--spec mtp` every verify and MTP graph, captured now instead of on
   a request's first step of that shape.
 
+  Capturing empties the allocator's cache, so the largest prefill runs once more after
+  the captures: the first request's forward then finds its memory cached.
+
 What the warm-up publishes is evicted. Triton keeps its compiled kernels on disk
 (`TRITON_CACHE_DIR`, default ~/.triton/cache), so a second start compiles nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -42,6 +47,7 @@ log = logging.getLogger("ninfer.server")
 TENANT = "ninfer-warmup"
 UNALIGNED = 37        # a rest past a whole chunk, and offsets, that no power of two divides
 NEW_TURN = 29         # a next turn's new tokens (unaligned too)
+GENERATION = 3        # a generation prompt's tokens after a message's end, by default
 
 
 @dataclass(frozen=True)
@@ -55,20 +61,23 @@ class Planned:
     after: str | None = None
     sampled: bool = False
     anchored: bool = True   # with the boundaries a served chat request has (`bounds`)
+    first: int = 0          # a first turn's first message's end too (a system message's)
+    tail: int = GENERATION  # the tokens after its last message's end
 
     def bounds(self, head: int) -> tuple[int, ...]:
         """The message boundaries a served chat request has after `head` tokens of earlier
-        turns: a first turn's message end (the generation prompt, 3 tokens, after it); a
-        next turn's reply end and new message end, so its delta is one forward that keeps
-        its positions' states (another specialisation than a plain prefill's). A prefill
-        stops at each, so a served 1,024-token prompt runs 1,021 tokens then 3: the GPU
-        run of stop 41 met the GDN and attention kernels' specialisations for those after
-        ready, when the warm-up's first turns had no boundaries."""
+        turns: a first turn's message ends (the generation prompt, `tail` tokens, after the
+        last); a next turn's reply end and new message end, so its delta is one forward
+        that keeps its positions' states (another specialisation than a plain prefill's).
+        A prefill stops at each, so a served 1,024-token prompt runs 1,015 tokens then 9
+        (anchor-1b's template with thinking off: the H100 run of stop 46), and one with a
+        system message first runs that message alone."""
         if not self.anchored:
             return ()
+        last = (self.prompt - self.tail,) if self.prompt > self.tail + 1 else ()
         if not self.after:
-            return (self.prompt - 3,) if self.prompt > 4 else ()
-        return (head,) + ((head + self.prompt - 3,) if self.prompt > 4 else ())
+            return ((self.first,) if self.first else ()) + last
+        return (head,) + tuple(head + b for b in last)
 
 
 def planned(chunk: int, max_context: int) -> list[list[Planned]]:
@@ -96,10 +105,11 @@ def planned(chunk: int, max_context: int) -> list[list[Planned]]:
             # number 1 or a multiple of 16 (128 then 3): Triton specialises the GDN
             # kernels' T and NT on those classes, and the pieces above cover the others
             [Planned("two-tiles", 128 + 3, 2)],
-            # first pieces in the conv's tile classes below a tile that no other first turn
-            # has (8 and 16), as a chat prompt whose system message is its first piece
-            # meets them: the H100 run of stop 44 met the 16 after ready
-            [Planned("first-of-8", 8 + 3, 2), Planned("first-of-12", 12 + 3, 2)],
+            # eager pieces in the conv's tile classes below a tile (2, 4 and 8: a piece of
+            # 9 .. 32 tokens replays a turn graph): a chat prompt's system message alone,
+            # and a generation prompt of 5 tokens (thinking on) after its message's end
+            [Planned("first-of-2", 80, 2, first=2), Planned("first-of-4", 80, 2, first=4)],
+            [Planned("first-of-8", 80, 2, first=8), Planned("tail-of-5", 80, 2, tail=5)],
             [Planned("aligned", 48, 6), Planned("short", 5, 6), Planned("odd", 100, 6)],
             [Planned("sampled", 21, 4, sampled=True)]]
 
@@ -149,7 +159,8 @@ def warm_up(server, *, verify_tokens: int = 0, full: bool | None = None) -> Warm
         log.info("warm-up: the chunk attention's cuDNN plans for %d shapes (a chunk of %d "
                  "over whole chunks) built in %.1f s", len(report.prefill["shapes"]),
                  config.prefill_chunk, report.prefill["seconds"])
-    for batch in plan:
+
+    def run_batch(batch: list[Planned]) -> None:
         batch_began = time.monotonic()
         handles = []
         for p in batch:
@@ -185,6 +196,9 @@ def warm_up(server, *, verify_tokens: int = 0, full: bool | None = None) -> Warm
         if handles:
             report.batches.append((" + ".join(p.name for p, *_ in handles),
                                    time.monotonic() - batch_began))
+
+    for batch in plan:
+        run_batch(batch)
     report.requests_s = time.monotonic() - began
 
     def capture(engine):
@@ -196,6 +210,12 @@ def warm_up(server, *, verify_tokens: int = 0, full: bool | None = None) -> Warm
                                     verify_tokens=verify_tokens)
 
     report.graphs = thread.call(capture).result(1800)
+    if report.graphs and report.graphs["count"]:
+        # each capture empties the allocator's cache (torch.cuda.graph does), so the first
+        # requests after ready would allocate their forwards' memory from the driver again:
+        # 4 to 10 new segments, +35 to +55 ms, on the H100 run of stop 46. The largest
+        # prefill again fills it (its memory is cached, not freed, when it ends).
+        run_batch([dataclasses.replace(plan[0][0], name="refill")])
 
     def drop(engine) -> None:
         for endpoint_id, stored in list(engine.store.endpoints.items()):

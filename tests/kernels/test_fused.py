@@ -41,11 +41,22 @@ def test_rms_norm_and_its_residual_form(dtype, offset):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gated_rms_norm(dtype):
-    x, z = _randn(2, 1, 4, 32, dtype=dtype), _randn(2, 1, 4, 32, dtype=dtype)
+@pytest.mark.parametrize("tokens", [1, 37])   # a decode step's rows; a prefill's, in blocks
+def test_gated_rms_norm(dtype, tokens, monkeypatch):
+    """Rows of a head each normed alone, several rows a program (a last block of rows
+    part-filled), on strided views as the GDN layer's output and gate are."""
+    monkeypatch.setattr(fused, "GATED_NORM_ELEMENTS", 4 * 32)   # 4 rows a program here
+    xz = _randn(2, tokens, 4, 2 * 32, dtype=dtype)
+    x, z = xz[..., :32], xz[..., 32:]
     w = 1 + _randn(32, dtype=dtype) * 0.1
-    _close(fused.gated_rms_norm(x, z, w, 1e-6), fused.gated_rms_norm_reference(x, z, w, 1e-6),
-           dtype)
+    got = fused.gated_rms_norm(x, z, w, 1e-6)
+    _close(got, fused.gated_rms_norm_reference(x, z, w, 1e-6), dtype)
+    # each row its own norm: scaling one row's x leaves the others' outputs as they were
+    x2 = x.clone()
+    x2[0, 0, 1] *= 3
+    again = fused.gated_rms_norm(x2, z, w, 1e-6)
+    assert torch.equal(again[1], got[1]) and torch.equal(again[0, 0, 0], got[0, 0, 0])
+    _close(again, fused.gated_rms_norm_reference(x2, z, w, 1e-6), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

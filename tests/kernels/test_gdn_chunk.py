@@ -260,3 +260,32 @@ def test_gpu_timing_report(T):
     print(f"\nchunk_gated_delta_rule T={T} Hk=16 Hv=32 D=128 bf16: "
           f"{(time.perf_counter() - start) / n * 1e3:.3f} ms")
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_state_programs_tile_of_16_equals_one_of_32(dtype):
+    """The state kernel's Dv tile only splits the value columns between programs: a tile of
+    16 (two programs a head here) gives what one of 32 gives, to the bit."""
+    inputs, state = _inputs(13, 1, 150, 2, 4, 32, 32, dtype, "weak")
+    o16, s16 = chunk_gated_delta_rule(*inputs, initial_state=state,
+                                      config=dataclasses.replace(DEFAULT_CONFIG,
+                                                                 state_block_v=16))
+    o32, s32 = chunk_gated_delta_rule(*inputs, initial_state=state,
+                                      config=dataclasses.replace(DEFAULT_CONFIG,
+                                                                 state_block_v=32))
+    assert torch.equal(o16, o32) and torch.equal(s16, s32)
+    _check(o16, s16, *_truth(inputs, state), dtype)
+
+
+def test_the_state_tile_halves_where_programs_of_32_fill_half_the_sms(monkeypatch):
+    """Left to the config (None), the tile is 16 where tiles of 32 would make at most half
+    as many programs as the device has SMs (anchor-1b: 16 value heads, 64 programs on the
+    H100's 132), else 32; off a GPU, 32."""
+    from kernels import gdn_chunk
+    monkeypatch.setattr(gdn_chunk, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    assert gdn_chunk._state_block_v(16, 128, cuda) == 16
+    assert gdn_chunk._state_block_v(32, 128, cuda) == 32   # Qwen3-Next's 32 value heads
+    assert gdn_chunk._state_block_v(2 * 16, 128, cuda) == 32   # two sequences packed
+    assert gdn_chunk._state_block_v(16, 128, torch.device("cpu")) == 32
+    assert DEFAULT_CONFIG.state_block_v is None

@@ -91,3 +91,40 @@ def test_a_graph_takes_one_lanes_delta_longer_than_a_verify_with_few_reads():
     assert not graphs.fits([lane, lane], 20, 30, [2])             # two lanes
     assert not graphs.fits([lane], 20, WIDTHS[-1] * BS - TOKENS + 1, [2])  # past the widest
     assert graphs.width(lane, 30) == 4 and graphs.width(Lane(slot=0, attn_blocks=[0] * 9), 30) == 9
+
+
+class _Spy(TurnGraphs):
+    """Records the forwards a turn graph is asked to replay; answers with a greedy token
+    no eager forward of the tiny net gives (its vocabulary is 50 tokens)."""
+
+    def __init__(self, model) -> None:
+        super().__init__(model, pool=None)
+        self.replayed: list[tuple[int, int]] = []
+
+    def run(self, lane, tokens, start, reads):
+        n = len(tokens)
+        self.replayed.append((n, start))
+        states: list = [None] * n
+        states[n - 1] = ("holder", 0, 0)
+        return 999, torch.zeros(50), torch.zeros(n, 8), KeptOnly(states, {n - 1})
+
+
+@pytest.mark.parametrize("n, replayed", [(MAX_TOKENS, False), (MAX_TOKENS + 1, True),
+                                         (TOKENS, True), (TOKENS + 1, False)])
+def test_a_prompts_short_last_piece_replays_a_turn_graph(n, replayed):
+    """A prefill's piece of MAX_TOKENS + 1 .. TOKENS tokens with nothing to keep inside (a
+    chat prompt's last: the generation prompt after its message's end, 9 tokens with
+    thinking off) is a turn graph's replay, as a next turn's delta is: eager, those few
+    tokens cost ~20 ms of launches on anchor-1b. Longer pieces, and shorter ones (the
+    verify graphs' lengths), stay eager, as does a forward whose reads are not said."""
+    model = _model()
+    model.turn_graphs = spy = _Spy(model)
+    lane = Lane(slot=1, attn_blocks=[5, 6, 7, 8])
+    model.init_slot(lane)
+    model.accept(lane, model.forward(lane, [3] * 20, 0).states[-1])
+    out = model.forward(lane, [(i * 7 + 1) % 50 for i in range(n)], 20, reads=[])
+    assert spy.replayed == ([(n, 20)] if replayed else [])
+    assert (out.greedy[-1] == 999) is replayed
+    spy.replayed.clear()
+    model.forward(lane, [1] * n, 20)   # reads not said: any state may be read
+    assert spy.replayed == []
