@@ -26,7 +26,8 @@ an MTP head) learnt from this machine's Python standard library.
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the three subcommands to `parser` (`ninfer train`, or `python -m ninfer.train`)."""
-    from .corpus import MADE_UP_NAMES, TEMPLATES, TOOL_ORDER
+    from .corpus import (MADE_UP_NAMES, MADE_UP_NAMING, MADE_UP_TOOLS, TEMPLATES,
+                         TOOL_EXAMPLES_PER_FUNCTION, TOOL_ORDER)
     from .recipe import TrainSettings
     defaults = TrainSettings()
     sub = parser.add_subparsers(dest="train_command", required=True)
@@ -40,18 +41,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="BPE tokens plus the added ones (default 8192; a slice needs "
                              "fewer)")
     corpus.add_argument("--seed", type=int, default=0, help="examples' seed (default 0)")
-    corpus.add_argument("--made-up-tools", type=_share, default=0.0, metavar="SHARE",
+    corpus.add_argument("--made-up-tools", type=_share, default=MADE_UP_TOOLS, metavar="SHARE",
                         help="the share of tool examples whose functions and parameters get "
                              "made-up names, so a call is right only when its names are "
-                             "copied from the tools listed (default 0: the recipe's)")
-    corpus.add_argument("--made-up-names", choices=MADE_UP_NAMES, default="syllables",
+                             f"copied from the tools listed (default {MADE_UP_TOOLS})")
+    corpus.add_argument("--made-up-names", choices=MADE_UP_NAMES, default=MADE_UP_NAMING,
                         help="how made-up tool and parameter names are made: syllables "
                              "(\"kuba_lo\") or words, real names' parts recombined "
                              "(\"month_lines\": a familiar-looking name must still be "
-                             "copied, not finished as the model would; default syllables)")
+                             "copied, not finished as the model would; default "
+                             f"{MADE_UP_NAMING})")
     corpus.add_argument("--tool-examples", type=int, default=None, metavar="N",
-                        help="tool conversations per function usable as a tool (default 6: "
-                             "the recipe's)")
+                        help="tool conversations per function usable as a tool (default "
+                             f"{TOOL_EXAMPLES_PER_FUNCTION})")
     corpus.add_argument("--near-tools", type=_share, default=0.0, metavar="SHARE",
                         help="the share of tool examples whose other listed tools come from "
                              "the target's own module (alike descriptions: the call must "

@@ -50,18 +50,20 @@ VOCAB_SIZE = 8192  # the BPE's tokens and the added ones; the model's embedding 
 EVAL_PROMPTS = 200
 CONTINUATIONS = 16
 CONTINUATION_CHARS = 1500
-TOOL_EXAMPLES_PER_FUNCTION = 6
+TOOL_EXAMPLES_PER_FUNCTION = 10
 # the share of tool examples whose functions and parameters get made-up names
 # (`--made-up-tools`): their calls are right only when copied from the listed tools (with
-# real names alone the model can learn the training functions' names by heart). Not yet in
-# the recipe: the shipped model was trained without it (bench/NOTES.md, stop 37)
-MADE_UP_TOOLS = 0.0
+# real names alone the model learns the training functions' names by heart; bench/NOTES.md,
+# stop 37)
+MADE_UP_TOOLS = 0.5
 MADE_UP_NAMES = ("syllables", "words")   # how they are made (`--made-up-names`)
+MADE_UP_NAMING = "words"
 # the share of tool examples whose other tools come from the target's module
 # (`--near-tools`): the held-out prompts list tools of 16 modules, one in seven of them the
 # target's own (alike descriptions), where training's random others almost never were (one
 # in eighty); v7w's tool calls failed most by calling another listed tool (bench/NOTES.md,
-# stop 43)
+# stop 43). Not in the recipe: v9w, trained with half its examples so, called tools no
+# better (bench/NOTES.md, stop 44)
 NEAR_TOOLS = 0.0
 # how the template lists a tool (`--tool-order`): as given (its name, then its description)
 # or its description first. v9w's calls failed most when the request only described the
@@ -70,7 +72,11 @@ NEAR_TOOLS = 0.0
 # that matched (bench/NOTES.md, stop 44)
 TEMPLATES = {"name-first": QWEN3_STYLE_TEMPLATE_THINKING_OFF,
              "description-first": QWEN3_STYLE_TEMPLATE_THINKING_OFF_DESCRIPTION_FIRST}
-TOOL_ORDER = "name-first"
+TOOL_ORDER = "description-first"
+# the manifest records a rule only where it differs from these, the first recipe's: so the
+# corpora built before a default changed keep their names (sha256)
+FIRST_RULES = {"made_up_tools": 0.0, "made_up_names": "syllables",
+               "tool_examples_per_function": 6, "near_tools": 0.0, "tool_order": "name-first"}
 FILES = ("tokenizer.json", "train.bin", "heldout.bin", "heldout.json")
 
 
@@ -109,6 +115,11 @@ def _eval_items(held_out: list[Function], rng: random.Random) -> tuple[list, lis
     return docstrings, tools
 
 
+def _changed_rules(**rules: object) -> dict:
+    """The example rules that differ from the first recipe's (`FIRST_RULES`)."""
+    return {name: value for name, value in rules.items() if value != FIRST_RULES[name]}
+
+
 def _continuation(text: str) -> str:
     """About CONTINUATION_CHARS of a file from the first line start past its third."""
     start = text.find("\n", len(text) // 3) + 1
@@ -118,7 +129,7 @@ def _continuation(text: str) -> str:
 
 def build(out_dir: str | Path, *, modules: Sequence[str] | None = None, seed: int = 0,
           vocab_size: int = VOCAB_SIZE, made_up_tools: float = MADE_UP_TOOLS,
-          tool_examples: int = TOOL_EXAMPLES_PER_FUNCTION, made_up_names: str = "syllables",
+          tool_examples: int = TOOL_EXAMPLES_PER_FUNCTION, made_up_names: str = MADE_UP_NAMING,
           near_tools: float = NEAR_TOOLS, tool_order: str = TOOL_ORDER,
           root: Path | None = None,
           progress: Callable[[str], None] = lambda _: None) -> Path:
@@ -187,13 +198,9 @@ def build(out_dir: str | Path, *, modules: Sequence[str] | None = None, seed: in
         "python": platform.python_version(),
         "rules": {"excluded_folders": sorted(EXCLUDED_FOLDERS), "generated_mark": GENERATED_MARK,
                   "held_out_modules": list(HELD_OUT), "modules": list(modules or []) or None,
-                  **({"made_up_tools": made_up_tools} if made_up_tools else {}),
-                  **({"made_up_names": made_up_names} if made_up_names != "syllables"
-                     else {}),
-                  **({"tool_examples_per_function": tool_examples}
-                     if tool_examples != TOOL_EXAMPLES_PER_FUNCTION else {}),
-                  **({"near_tools": near_tools} if near_tools else {}),
-                  **({"tool_order": tool_order} if tool_order != "name-first" else {})},
+                  **_changed_rules(made_up_tools=made_up_tools, made_up_names=made_up_names,
+                                   tool_examples_per_function=tool_examples,
+                                   near_tools=near_tools, tool_order=tool_order)},
         "seed": seed,
         "files_sha256": joint_sha256(files),
         "counts": {"source_files": len(files), "train_files": len(train_files),
@@ -249,7 +256,7 @@ class Corpus:
     @property
     def chat_template(self) -> str:
         """The template its chats were rendered with: the trained model's."""
-        return TEMPLATES[self.manifest["rules"].get("tool_order", "name-first")]
+        return TEMPLATES[self.manifest["rules"].get("tool_order", FIRST_RULES["tool_order"])]
 
     @cached_property
     def tokenizer_json(self) -> str:

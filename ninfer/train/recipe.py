@@ -44,7 +44,7 @@ def smoke_shape(layers: int = 4) -> dict:
 class TrainSettings:
     """Everything that decides the trained weights besides the corpus and the shape."""
 
-    steps: int = 1700               # ~3.7 epochs of the corpus (its held-out loss still falls)
+    steps: int = 2300               # ~4 epochs of the corpus (its held-out loss still falls)
     batch: int = 32                 # windows per step
     seq_len: int = 1024             # tokens per window (each window reads seq_len + 1)
     lr: float = 2e-3                # peak; AdamW, linear warmup, cosine decay to min_lr
@@ -56,9 +56,9 @@ class TrainSettings:
     mtp_depth: int = 3              # draft steps the MTP head is trained for (k up to 3)
     mtp_weight: float = 0.6         # of the MTP steps' mean loss, beside the main loss
     seed: int = 0
-    # a window drawn inside a chat example starts at its first token (`loop.Windows`); the
-    # shipped model was trained without (bench/NOTES.md, stop 42)
-    whole_chats: bool = False
+    # a window drawn inside a chat example starts at its first token (`loop.Windows`;
+    # bench/NOTES.md, stop 42)
+    whole_chats: bool = True
     eval_every: int = 250           # held-out loss every this many steps (0: never)
     checkpoint_every: int = 1000    # a .ninfer beside the final one every this many steps
 

@@ -285,7 +285,8 @@ def test_description_first_lists_each_tool_with_its_description_before_its_name(
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
         {"type": "function", "function": {"name": "bare"}}]
     messages = [{"role": "user", "content": "weather?"}]
-    given = trained_template().render(messages, tools=tools, add_generation_prompt=True)
+    given = trained_template("name-first").render(messages, tools=tools,
+                                                  add_generation_prompt=True)
     first = trained_template("description-first").render(messages, tools=tools,
                                                           add_generation_prompt=True)
     lines = [line for line in first.splitlines() if line.startswith('{"type"')]
