@@ -103,7 +103,8 @@ def _gated_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, R, D, s_x, s_z, s_y, eps,
 
 # elements a gated norm program takes (whole rows): one row of a head (128) a program made
 # 131,072 programs of a prefill chunk's 8,192 tokens on anchor-1b, 159 us a layer on the
-# H100, ~5x its bytes' time at the copy bandwidth (bench/NOTES.md, stop 46)
+# H100, ~5x its bytes' time at the copy bandwidth; 32 rows a program: a 32K prefill 205.0 ->
+# 196.3 ms (bench/results/prefill-ab-h100-stop46.json)
 GATED_NORM_ELEMENTS = 4096
 
 

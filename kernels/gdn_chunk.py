@@ -29,7 +29,6 @@ tf32x3 by default (float32-accurate; `GDNChunkConfig.fp32_precision`).
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -60,11 +59,7 @@ class GDNChunkConfig:
     # stage 1, T = 4K: 0.29 ms against 0.38)
     solve_warps: int | None = None
     solve_block_k: int = 64  # Dk tile of the solve's key loop
-    # Dv tile of one state program (N * Hv * Dv / it programs, each scanning its chunks in
-    # order: the kernel's only parallelism). None: 32, or 16 where 32's programs would fill at
-    # most half the device's SMs (anchor-1b's 16 value heads: 64 programs of 32 on the H100's
-    # 132 SMs; 32 value heads at 16 took 0.93 ms against 0.88, bench/results/gdn-sweep-h200)
-    state_block_v: int | None = None
+    state_block_v: int = 32  # Dv tile of one state program: Dv / 32 * N * Hv programs
     state_warps: int = 4
     # stage 2 makes the corrections V' = X beta (V - exp(G) K S) from the solve's X, K and
     # V (no `_wu_kernel`, no W or U written and read back); else V' = U - W S from stage
@@ -559,20 +554,6 @@ def _block(size: int, cap: int) -> int:
     return max(16, triton.next_power_of_2(min(size, cap)))
 
 
-def _state_block_v(programs_of_one: int, Dv: int, device: torch.device) -> int:
-    """The state kernel's Dv tile where the config leaves it (None): `programs_of_one` (N *
-    Hv) sequences' heads, each making Dv / tile programs."""
-    if device.type != "cuda":
-        return 32
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return 16 if 2 * programs_of_one * triton.cdiv(Dv, 32) <= sms else 32
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _packable(x: Tensor, B: int, T: int, last_contiguous: bool) -> Tensor:
     """x [B, T, H, ...] with strides that address packed row r = b * T + t as r * stride(1)
     (and a contiguous last axis when asked); otherwise a contiguous copy."""
@@ -720,7 +701,7 @@ def chunk_gated_delta_rule(
                 _wu_kernel[(n_slots, Hv)](x_buf=x_buf, **w_u)
         else:
             _wy_kernel[(n_slots, Hv)](**gates, **w_u)
-    sbv = _block(Dv, cfg.state_block_v or _state_block_v(N * Hv, Dv, device))
+    sbv = _block(Dv, cfg.state_block_v)
     _state_kernel[(N * Hv, triton.cdiv(Dv, sbv))](
         k, v, beta, w, u, x_buf, g_cum, h_buf, h0, ht, cu, chunk_offsets, T, NT,
         k.stride(1), k.stride(2), v.stride(1), v.stride(2), beta.stride(1), beta.stride(2),

@@ -4,8 +4,11 @@ does) with each of stop 46's kernel changes off and on, interleaved, in one proc
 
 - the gated RMSNorm of the GDN layers' output: one row (a head of 128) a program, as
   before, against 32 rows (`kernels.fused.GATED_NORM_ELEMENTS` 128 / 4096);
-- the GDN state kernel's Dv tile: 32, as before, against the tile chosen by the SM count
-  (`GDNChunkConfig.state_block_v` 32 / None).
+- the GDN state kernel's Dv tile: 32 against 16 (`GDNChunkConfig.state_block_v`; the run
+  of stop 46 chose 16 by the SM count, which on the H100 at anchor-1b's 16 value heads is
+  the 16 here). It lost (32K 1.009x, 4K 0.966x): the choice was reverted.
+
+Figures: bench/results/prefill-ab-h100-stop46.json.
 
     python3 bench/stop46/prefill_ab.py [--json OUT] [--rounds 5]
 """
@@ -25,7 +28,7 @@ import kernels.gdn_chunk as gdn_chunk
 from ninfer.bench.engine import Bench
 from ninfer.bench.gpu_engine import anchor_dir
 
-VARIANTS = {"before": (128, 32), "norm": (4096, 32), "state": (128, None), "both": (4096, None)}
+VARIANTS = {"before": (128, 32), "norm": (4096, 32), "state": (128, 16), "both": (4096, 16)}
 
 
 def use(variant: str) -> None:

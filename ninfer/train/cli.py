@@ -26,8 +26,14 @@ an MTP head) learnt from this machine's Python standard library.
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the three subcommands to `parser` (`ninfer train`, or `python -m ninfer.train`)."""
-    from .corpus import (MADE_UP_NAMES, MADE_UP_NAMING, MADE_UP_TOOLS, TEMPLATES,
-                         TOOL_EXAMPLES_PER_FUNCTION, TOOL_ORDER)
+    from .corpus import (
+        MADE_UP_NAMES,
+        MADE_UP_NAMING,
+        MADE_UP_TOOLS,
+        TEMPLATES,
+        TOOL_EXAMPLES_PER_FUNCTION,
+        TOOL_ORDER,
+    )
     from .recipe import TrainSettings
     defaults = TrainSettings()
     sub = parser.add_subparsers(dest="train_command", required=True)

@@ -275,17 +275,3 @@ def test_the_state_programs_tile_of_16_equals_one_of_32(dtype):
                                                                  state_block_v=32))
     assert torch.equal(o16, o32) and torch.equal(s16, s32)
     _check(o16, s16, *_truth(inputs, state), dtype)
-
-
-def test_the_state_tile_halves_where_programs_of_32_fill_half_the_sms(monkeypatch):
-    """Left to the config (None), the tile is 16 where tiles of 32 would make at most half
-    as many programs as the device has SMs (anchor-1b: 16 value heads, 64 programs on the
-    H100's 132), else 32; off a GPU, 32."""
-    from kernels import gdn_chunk
-    monkeypatch.setattr(gdn_chunk, "_sm_count", lambda index: 132)
-    cuda = torch.device("cuda", 0)
-    assert gdn_chunk._state_block_v(16, 128, cuda) == 16
-    assert gdn_chunk._state_block_v(32, 128, cuda) == 32   # Qwen3-Next's 32 value heads
-    assert gdn_chunk._state_block_v(2 * 16, 128, cuda) == 32   # two sequences packed
-    assert gdn_chunk._state_block_v(16, 128, torch.device("cpu")) == 32
-    assert DEFAULT_CONFIG.state_block_v is None
