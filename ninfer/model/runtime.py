@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 RANDOM_MODEL = "tiny-qwen3-next-v1"      # random weights, made on first use
 DEFAULT_MODEL = "ninfer-stdlib-8m"       # trained (`ninfer train`), shipped in the package
 DEFAULT_FILE = Path(__file__).resolve().parent.parent / "data" / f"{DEFAULT_MODEL}.ninfer"
-# the shipped file's sha256 (bench/results/train-h100-ship.json: its training report)
+# the shipped file's sha256 (bench/results/train-h100-v12w.json: its training report)
 DEFAULT_SHA256 = "62a527f2070db0e1b22c18a8bb6b3387f05bdafaecb1659452d89f34fa6e3a28"
 MODEL_ENV = "NINFER_MODEL"
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
