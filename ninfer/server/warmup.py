@@ -48,6 +48,7 @@ TENANT = "ninfer-warmup"
 UNALIGNED = 37        # a rest past a whole chunk, and offsets, that no power of two divides
 NEW_TURN = 29         # a next turn's new tokens (unaligned too)
 GENERATION = 3        # a generation prompt's tokens after a message's end, by default
+LARGEST = "chunk-and-rest"   # the request whose forward is the largest: a whole chunk
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,8 @@ def planned(chunk: int, max_context: int) -> list[list[Planned]]:
     # a few new tokens, each in a tile size class of its own (the conv's power of two up
     # to 64; the attention's row block of 16 below 5)
     turns = [(2, "its-next-turn"), (3, "turn-of-2"), (12, "turn-of-3"), (16, "turn-of-12")]
-    return [[Planned("chunk-and-rest", first, 8)],
-            [Planned("next-turn", NEW_TURN, 4, after="chunk-and-rest", anchored=False)],
+    return [[Planned(LARGEST, first, 8)],
+            [Planned("next-turn", NEW_TURN, 4, after=LARGEST, anchored=False)],
             [Planned("one-token-turn", 1, 2, after="next-turn")],
             [Planned("half-chunk", second, 4)],
             [Planned("its-next-turn", NEW_TURN, 4, after="half-chunk")],
@@ -215,7 +216,8 @@ def warm_up(server, *, verify_tokens: int = 0, full: bool | None = None) -> Warm
         # requests after ready would allocate their forwards' memory from the driver again:
         # 4 to 10 new segments, +35 to +55 ms, on the H100 run of stop 46. The largest
         # prefill again fills it (its memory is cached, not freed, when it ends).
-        run_batch([dataclasses.replace(plan[0][0], name="refill")])
+        largest = next(p for batch in plan for p in batch if p.name == LARGEST)
+        run_batch([dataclasses.replace(largest, name="refill")])
 
     def drop(engine) -> None:
         for endpoint_id, stored in list(engine.store.endpoints.items()):

@@ -13,7 +13,7 @@ from ninfer.model.graphs import SIZES, WIDTHS, graph_shapes
 from ninfer.model.spec_graphs import MAX_TOKENS
 from ninfer.model.torch_model import VERIFY_STATES_UP_TO
 from ninfer.model.turn_graphs import TOKENS
-from ninfer.server.warmup import NEW_TURN, TENANT, Planned, planned, warm_up
+from ninfer.server.warmup import LARGEST, NEW_TURN, TENANT, Planned, planned, warm_up
 from ninfer.sim.harness import Harness
 
 
@@ -200,7 +200,7 @@ def test_after_capturing_graphs_the_largest_prefill_runs_again():
     assert report.requests == sum(map(len, planned(32, 512))) + 1
     after = order[order.index("captured") + 1:]
     assert [r.rsplit("-", 1)[-1] for r in after] == ["refill"]
-    first = planned(32, 512)[0][0]
+    first = next(p for batch in planned(32, 512) for p in batch if p.name == LARGEST)
     prompts = {e.request: e.prompt_len for e in h.journal.read() if e.kind == "RequestQueued"}
     # (the largest forward there is: a whole chunk, then its rest)
     assert prompts[after[0]] == first.prompt > 32
