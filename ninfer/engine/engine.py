@@ -22,6 +22,7 @@ from ..lifecycle import events as ev
 from ..lifecycle import machine, planner
 from ..lifecycle.eventlog import EventLog
 from ..lifecycle.facts import EndpointFacts, Mode
+from ..lifecycle.hashing import starts_with
 from ..lifecycle.request import Request
 from ..lifecycle.store import ContinuationStore
 from ..model.pools import BlockPool, OutOfMemory, SlotPool
@@ -252,7 +253,7 @@ class Engine:
         for endpoint in self.store.candidates(c.tenant, c.session):
             held = self.held.get(endpoint.checkpoint.id)
             n = len(held.tokens) if held is not None else 0
-            if 0 < n <= len(c.prompt) and c.prompt[:n] == held.tokens:
+            if n > 0 and starts_with(c.prompt, held.tokens):
                 return held.hashes
         return ()
 

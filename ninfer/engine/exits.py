@@ -17,6 +17,7 @@ from ..lifecycle import conversation, machine, salvage
 from ..lifecycle import events as ev
 from ..lifecycle.eventlog import EventLog
 from ..lifecycle.facts import CheckpointFacts, EndpointFacts, Mode
+from ..lifecycle.hashing import starts_with
 from ..lifecycle.planner import Plan
 from ..lifecycle.request import Request
 from ..lifecycle.salvage import Candidate
@@ -81,8 +82,8 @@ class Exits:
             return
 
         def extends(newer: EndpointFacts, older: EndpointFacts) -> bool:
-            a, b = self.held[newer.checkpoint.id].tokens, self.held[older.checkpoint.id].tokens
-            return a[:len(b)] == b
+            a, b = self.held[newer.checkpoint.id], self.held[older.checkpoint.id]
+            return starts_with(a.tokens, b.tokens, a.hashes, b.hashes)
 
         store = self.scheduler.store
         for victim in conversation.evictions(store.private(tenant, session),

@@ -40,3 +40,22 @@ def prefix_hash(tokens, position: int, hashes: tuple[int, ...]) -> int:
     if position % HASH_BLOCK == 0:
         return prev
     return _digest(prev, tokens[full * HASH_BLOCK:position])
+
+
+def starts_with(tokens, prefix, hashes: tuple[int, ...] = (),
+                prefix_hashes: tuple[int, ...] = ()) -> bool:
+    """`tokens[:len(prefix)] == prefix`, decided on the ids. Most pairs that differ are
+    rejected in O(1) first, on the prefix's last id and on the last block hash both have
+    (`hashes`, `prefix_hashes`: block hashes of each, or of a prefix of each); a pair that
+    passes is compared in full (at 32K of context a full comparison takes ~0.1-0.3 ms)."""
+    n = len(prefix)
+    if n > len(tokens):
+        return False
+    if n == 0:
+        return True
+    if tokens[n - 1] != prefix[n - 1]:
+        return False
+    full = min(n // HASH_BLOCK, len(hashes), len(prefix_hashes))
+    if full and hashes[full - 1] != prefix_hashes[full - 1]:
+        return False
+    return tokens[:n] == prefix

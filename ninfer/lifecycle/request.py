@@ -187,7 +187,7 @@ class Request:
     def sequence_hashes(self) -> tuple[int, ...]:
         """Block hashes of `sequence` (the prompt's are computed once, at admission; only
         the output's blocks are hashed here)."""
-        return extend_block_hashes(self.sequence, self.hashes) if self.outputs else self.hashes
+        return extend_block_hashes(self.so_far, self.hashes) if self.outputs else self.hashes
 
     @property
     def detached_goal(self) -> int:
