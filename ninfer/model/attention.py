@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from kernels import kernels_for, skinny_for
 
-from .chunk_attention import chunk_attention
+from .chunk_attention import chunk_attention, without_cudnn
 from .config import ModelConfig
 from .layers import RMSNorm, apply_rope, compute_dtype, packed_weight
 
@@ -165,8 +165,12 @@ class GatedAttention(nn.Module):
         elif not (B == 1 and T == 1):  # one decode row sees everything it wrote
             key_pos = torch.arange(length, device=x.device)
             mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, L]
-        out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, is_causal=causal,
-                                             scale=D ** -0.5, enable_gqa=H != self.num_kv_heads)
+        # (several lanes' prefill, a verify: shapes that follow the requests, so no cuDNN,
+        # whose plan per shape cost 8 lanes' first turns 470 ms on an H100, stop 47)
+        with without_cudnn():
+            out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, is_causal=causal,
+                                                 scale=D ** -0.5,
+                                                 enable_gqa=H != self.num_kv_heads)
         return out.transpose(1, 2).to(x.dtype)  # [B, T, H, D]
 
     def _prefill_chunk(self, q: Tensor, keys: Tensor, values: Tensor) -> Tensor:

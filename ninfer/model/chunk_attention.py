@@ -115,10 +115,17 @@ def whole_attention(q: Tensor, keys: Tensor, values: Tensor, scale: float, *,
     47); flash takes any length at once."""
     from torch.nn.attention.bias import causal_lower_right
     T, L = q.shape[2], keys.shape[2]
-    with contextlib.nullcontext() if any_backend else sdpa_kernel(_NOT_CUDNN):
+    with contextlib.nullcontext() if any_backend else without_cudnn():
         return F.scaled_dot_product_attention(q, keys, values,
                                               attn_mask=causal_lower_right(T, L), scale=scale,
                                               enable_gqa=q.shape[1] != keys.shape[1])
+
+
+def without_cudnn():
+    """SDPA's backends but cuDNN, for the calls inside: cuDNN builds a plan for each shape
+    it meets (tens to hundreds of ms on an H100), and a served request's shapes follow its
+    prompt's length."""
+    return sdpa_kernel(_NOT_CUDNN)
 
 
 def split_attention(q: Tensor, keys: Tensor, values: Tensor, scale: float,

@@ -52,5 +52,8 @@ def test_starts_with_rejects_on_a_block_hash_without_comparing_ids():
         def __eq__(self, other):
             return True
 
+        def __ne__(self, other):
+            return False
+
     assert not starts_with(Equal(a), b, block_hashes(a), block_hashes(b))
     assert starts_with(Equal(a), b)   # without the hashes: compared, and "equal"

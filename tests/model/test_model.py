@@ -1,10 +1,12 @@
 """The torch model on its own: checkpoint names, loading, and exactness of state handling
 in float64 (chunked prefill, verification rollback, mixed-position batches, paged KV)."""
 
+import types
 from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ninfer.model.attention import ContiguousKV
@@ -283,3 +285,25 @@ def test_a_prefill_chunk_in_half_precision_attends_as_the_float32_path():
     chunk_alone = attn._attend(x, q.float(), torch.arange(T)[None], store.to(torch.float32), 0)
     assert ((chunk_alone - ref).abs().max() / ref.abs().max()).item() > 0.1
     assert L > T
+
+
+def test_attention_over_several_rows_leaves_cudnn_out(monkeypatch):
+    """SDPA over a batch's rows (several lanes' prefill) runs with cuDNN switched off: its
+    shapes follow the requests, and cuDNN builds a plan per shape (stop 47: 470 ms for
+    eight lanes' first turns on an H100)."""
+    from ninfer.model import attention
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return F.scaled_dot_product_attention(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "F", types.SimpleNamespace(
+        linear=F.linear, scaled_dot_product_attention=recording))
+    config = tiny_config("qwen3_5", True)
+    model = _model(config)
+    tokens = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model(tokens, _positions(0, 5, 2), HybridState.initial(config, 2, torch.float64))
+    assert seen and not any(seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
