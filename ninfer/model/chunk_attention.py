@@ -23,7 +23,6 @@ that refuses it (another card, another torch) is logged once and the whole call 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable
 
@@ -52,10 +51,8 @@ def chunk_attention(q: Tensor, keys: Tensor, values: Tensor, scale: float,
     right: [1, H, T, D]. `half`: the split's attention (default cuDNN's on the GPU, none
     elsewhere)."""
     half = half or (cudnn_half if q.is_cuda else None)
-    prepared = _shape(q, keys) in _prepared
-    if prepared and keys.shape[2] == q.shape[2]:   # a first chunk whose plan is built
-        return whole_attention(q, keys, values, scale, any_backend=True)
-    if prepared and half is not None and FLAGS.split_chunk_attention and not _refused:
+    if _shape(q, keys) in _prepared and half is not None and FLAGS.split_chunk_attention \
+            and not _refused:
         try:
             return split_attention(q, keys, values, scale, half)
         except RuntimeError as exc:  # a card or build whose cuDNN lacks this shape
@@ -81,19 +78,15 @@ def prepare(*, heads: int, kv_heads: int, head_dim: int, chunk: int, max_context
             ) -> list[tuple[int, int]]:
     """Run the split once on each shape of a served prompt's whole chunks past the first
     (`chunk` queries over a prefix of k chunks, the prefix and the chunk within
-    `max_context`, k up to MAX_PREPARED), and a whole first chunk by SDPA's own choice, so
-    cuDNN's plans are built now, and from now on those shapes take the split or cuDNN. The
-    shapes prepared, as (chunk, prefix); none where no half applies (the CPU by default) or
-    the backend refuses."""
+    `max_context`, k up to MAX_PREPARED), so cuDNN's plans are built now, and from now on
+    those shapes take the split. The shapes prepared, as (chunk, prefix); none where no half
+    applies (the CPU by default) or the backend refuses."""
     device = torch.device(device)
     half = half or (cudnn_half if device.type == "cuda" else None)
     if half is None or not FLAGS.split_chunk_attention or _refused or chunk < 2:
         return []
+    done = []
     q = torch.zeros(1, heads, chunk, head_dim, device=device, dtype=dtype)
-    first = torch.zeros(1, kv_heads, chunk, head_dim, device=device, dtype=dtype)
-    whole_attention(q, first, first, head_dim ** -0.5, any_backend=True)  # its plan built
-    _prepared.add(_shape(q, first))
-    done = [(chunk, 0)]
     for k in range(1, min(MAX_PREPARED, max_context // chunk - 1) + 1):
         kv = torch.zeros(1, kv_heads, (k + 1) * chunk, head_dim, device=device, dtype=dtype)
         try:
@@ -106,16 +99,16 @@ def prepare(*, heads: int, kv_heads: int, head_dim: int, chunk: int, max_context
     return done
 
 
-def whole_attention(q: Tensor, keys: Tensor, values: Tensor, scale: float, *,
-                    any_backend: bool = False) -> Tensor:
+def whole_attention(q: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
     """One SDPA call with the bottom-right causal mask, the KV heads shared by their query
-    heads inside the kernel: [1, H, T, D]. Not by cuDNN unless `any_backend`: a chunk with no
-    prefix (L == T) is plain causal, where SDPA prefers cuDNN on an H100 or H200, whose plan
-    per shape cost a served prompt of a length not seen before ~45 ms (bench/NOTES.md, stop
-    47); flash takes any length at once."""
+    heads inside the kernel: [1, H, T, D]. Never by cuDNN: a chunk with no prefix (L == T)
+    is plain causal, where SDPA prefers cuDNN on an H100 or H200, whose plan per shape cost
+    a served prompt of a length not seen before ~45 ms (bench/NOTES.md, stop 47), and
+    building the plan of a whole first chunk of 8,192 before ready took 6.4 s; flash takes
+    any length at once."""
     from torch.nn.attention.bias import causal_lower_right
     T, L = q.shape[2], keys.shape[2]
-    with contextlib.nullcontext() if any_backend else without_cudnn():
+    with without_cudnn():
         return F.scaled_dot_product_attention(q, keys, values,
                                               attn_mask=causal_lower_right(T, L), scale=scale,
                                               enable_gqa=q.shape[1] != keys.shape[1])

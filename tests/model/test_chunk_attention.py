@@ -77,7 +77,7 @@ def test_only_the_prepared_shapes_take_the_split():
     calls = []
     shapes = ca.prepare(heads=4, kv_heads=2, head_dim=8, chunk=4, max_context=20,
                         device="cpu", dtype=torch.float32, half=_counting(calls))
-    assert shapes == [(4, 0), (4, 4), (4, 8), (4, 12), (4, 16)]   # prefix + chunk <= 20
+    assert shapes == [(4, 4), (4, 8), (4, 12), (4, 16)]   # prefix + chunk <= 20
     assert calls == [(4, p, False) if i % 2 == 0 else (4, 4, True)
                      for p in (4, 8, 12, 16) for i in (0, 1)]
     calls.clear()
@@ -94,10 +94,10 @@ def test_only_the_prepared_shapes_take_the_split():
                  (_inputs(4, 12, 4, 2, D=8)[0].double(), _inputs(4, 12, 4, 2, D=8)[1].double())):
         ca.chunk_attention(q, k, k, 0.3, half=_counting(calls))
     assert calls == []
-    # at most MAX_PREPARED prefixes, however long the context (and the first chunk)
+    # at most MAX_PREPARED prefixes, however long the context
     assert len(ca.prepare(heads=2, kv_heads=1, head_dim=4, chunk=2, max_context=1000,
                           device="cpu", dtype=torch.float32, half=ca.cpu_half)) \
-        == ca.MAX_PREPARED + 1
+        == ca.MAX_PREPARED
     # the CPU has no half of its own: nothing prepared, nothing split
     ca._prepared.clear()
     assert ca.prepare(heads=4, kv_heads=2, head_dim=8, chunk=4, max_context=20,
@@ -169,10 +169,11 @@ def test_gpu_the_cudnn_split_of_a_prepared_chunk_equals_the_flash_call():
     assert torch.equal(ca.chunk_attention(q, k, k, 0.0625), ca.whole_attention(q, k, k, 0.0625))
 
 
-def test_cudnn_only_for_a_first_chunk_whose_plan_was_built(monkeypatch):
+def test_the_whole_call_leaves_cudnn_out(monkeypatch):
     """A chunk with no prefix is plain causal, where SDPA would pick cuDNN on an H100 and
-    build a plan for each new length on a served request (~45 ms): the whole call leaves
-    cuDNN out, except for the first chunk's shape `prepare` built the plan of."""
+    build a plan for each new length on a served request (~45 ms): the whole call, at any
+    length and prefix, runs with cuDNN switched off (the split's halves are cuDNN's, on
+    the shapes `prepare` built)."""
     seen = []
     sdpa = ca.F.scaled_dot_product_attention
 
@@ -184,11 +185,10 @@ def test_cudnn_only_for_a_first_chunk_whose_plan_was_built(monkeypatch):
     assert torch.backends.cuda.cudnn_sdp_enabled()
     ca.prepare(heads=4, kv_heads=2, head_dim=8, chunk=4, max_context=8, device="cpu",
                dtype=torch.float32, half=ca.cpu_half)
-    assert seen == [True]   # the first chunk's plan, by SDPA's own choice
-    seen.clear()
-    for T, L, cudnn in ((4, 4, True), (5, 5, False), (3, 3, False), (3, 7, False)):
+    assert seen == []   # the halves only
+    for T, L in ((4, 4), (5, 5), (3, 3), (3, 7)):
         q, k, v = _inputs(T, L, 4, 2, D=8)
         ca.chunk_attention(q, k, v, 0.3, half=ca.cpu_half)
-        assert seen == [cudnn], (T, L)
+        assert seen == [False], (T, L)
         seen.clear()
     assert torch.backends.cuda.cudnn_sdp_enabled()   # left as it was
