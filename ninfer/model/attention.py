@@ -166,7 +166,8 @@ class GatedAttention(nn.Module):
             key_pos = torch.arange(length, device=x.device)
             mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, L]
         # (several lanes' prefill, a verify: shapes that follow the requests, so no cuDNN,
-        # whose plan per shape cost 8 lanes' first turns 470 ms on an H100, stop 47)
+        # which builds a plan per shape; eight lanes' first turns together took 180-480 ms
+        # of launching on an H100, stop 47, not yet measured without it)
         with without_cudnn():
             out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, is_causal=causal,
                                                  scale=D ** -0.5,
