@@ -9,6 +9,8 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..lifecycle.request import SamplingParams
 
 
@@ -73,13 +75,23 @@ class Stop:
     reason: str = "stop_string"
 
 
+def _in_range(ids: tuple[int, ...], vocab_size: int) -> bool:
+    """Every id in [0, vocab_size): one C pass through numpy (a 32K prompt took 0.8 ms as
+    Python's `min` and `max`, ~2x that on a GPU machine's host, on the HTTP thread)."""
+    try:
+        a = np.fromiter(ids, dtype=np.int64, count=len(ids))
+    except (OverflowError, TypeError, ValueError):
+        return False
+    return int(a.min()) >= 0 and int(a.max()) < vocab_size
+
+
 def problem(c: Submit, *, vocab_size: int, max_context: int,
             end_tokens: tuple[int, ...] | None = None) -> str | None:
     """What is wrong with a submit, in words for the client, or None. `end_tokens`: the
     engine's grammars' (None: it constrains no output)."""
     if not c.prompt:
         return "prompt is empty"
-    if min(c.prompt) < 0 or max(c.prompt) >= vocab_size:  # C loops: prompts are long
+    if not _in_range(c.prompt, vocab_size):
         return f"token ids must be in [0, {vocab_size})"
     if len(c.prompt) >= max_context:
         return f"prompt of {len(c.prompt)} tokens exceeds max_context {max_context}"

@@ -73,3 +73,21 @@ def test_a_hashes_only_journal_keeps_no_token_ids_and_reuse_still_works():
     # the journal alone still checks: outputs are counted without their ids
     checker = JournalChecker().feed_all(h.journal.read())
     assert checker.requests[second].outputs == len(h.request(second).outputs)
+
+
+def test_a_prompt_with_an_id_out_of_the_vocabulary_is_refused_whole():
+    """Any id below 0, at or past the vocabulary, or too large for 64 bits, wherever it is
+    in the prompt, refuses the submit with the range in words; a prompt of valid ids passes."""
+    from ninfer.engine.commands import Submit, problem
+    from ninfer.lifecycle.request import SamplingParams
+
+    def check(ids):
+        return problem(Submit("r", tuple(ids), "s", "t", SamplingParams(4)), vocab_size=100,
+                       max_context=10_000)
+
+    good = list(range(1, 99)) * 40
+    assert check(good) is None and check([0]) is None and check([99]) is None
+    for bad in (-1, 100, 2**63, 2**70, -(2**70)):
+        for where in (0, len(good) // 2, len(good)):
+            assert check([*good[:where], bad, *good[where:]]) == \
+                "token ids must be in [0, 100)", (bad, where)
