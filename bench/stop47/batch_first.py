@@ -9,7 +9,6 @@ first call against second, with each cuBLAS library torch offers.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 
 from ninfer.bench.engine import Bench
 from ninfer.bench.gpu_engine import anchor_dir
+from ninfer.bench.report import write_line
 
 
 def _lanes(b, engine, n: int, lanes: int = 8) -> float:
@@ -71,10 +71,7 @@ def main() -> None:
             r[f"gemm_{lib}"] = _gemms(net, (1017 + len(r), 2001 + len(r), 733 + len(r)))
         except Exception as exc:   # a build without it
             r[f"gemm_{lib}"] = repr(exc)[:200]
-    print(json.dumps(r, indent=1))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(r, f, indent=1)
+    write_line({"bench": "batch-first", "results": r}, a.json)
 
 
 if __name__ == "__main__":

@@ -89,7 +89,8 @@ class Engine:
         self.steps = 0
         self.pacing = PrefillPacing(config.decode_gap, config.prefill_chunk,
                                     smallest=config.paced_from or 16,
-                                    clock=time.perf_counter) if config.decode_gap else None
+                                    clock=clock or time.perf_counter) \
+            if config.decode_gap else None
 
     @property
     def waiting(self) -> deque[Request]:
@@ -170,9 +171,13 @@ class Engine:
                     continue  # one paced chunk per step
                 limit = self.pacing.size if long else None
                 cursor = live.request.cursor
-                self._guarded(live, lambda x, limit=limit: self._prefill_step(x, limit))
-                if long:
-                    prefilled += max(live.request.cursor - cursor, 0)
+                # paced: a part of the chunk's forward a step (the decode steps between)
+                self._guarded(live, lambda x, limit=limit, parts=long:
+                              self._prefill_step(x, limit, parts))
+                if long:   # a part of a chunk counts as the chunk (`PrefillPacing.end`)
+                    pending = live.pending
+                    prefilled += pending.end - pending.start if pending is not None \
+                        else max(live.request.cursor - cursor, 0)
                 else:
                     unpaced = True
             elif live.request.state == "Active":
@@ -381,10 +386,10 @@ class Engine:
         return request.prefill_goal - base > (self.config.paced_from
                                               or self.config.prefill_chunk)
 
-    def _prefill_step(self, live: Live, limit: int | None = None) -> None:
+    def _prefill_step(self, live: Live, limit: int | None = None, parts: bool = False) -> None:
         """One prefill chunk of `live`, of at most `limit` prompt tokens (None: a whole
-        chunk)."""
-        done = self.prefill.step(live, limit)
+        chunk); `parts`: a part of its forward (`Prefill.step`)."""
+        done = self.prefill.step(live, limit, parts)
         if done is not None:
             machine.fire(live.request, "prefilled", first_token=done.first_token)
             if done.stop is not None:

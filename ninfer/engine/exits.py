@@ -59,6 +59,7 @@ class Exits:
         release the rest."""
         request = live.request
         self.live.pop(request.id, None)
+        live.drop_pending()   # its frontier stays at the cursor: nothing of it was accepted
         decision = salvage.decide(self.offer(live), self.mode, request.tenant,
                                   request.session)
         machine.fire(request, trigger, salvage=decision)
@@ -117,6 +118,7 @@ class Exits:
         adopter's `start` is the caller's to fire."""
         old = detached.request
         del self.live[old.id]
+        detached.drop_pending()   # the adopter goes on from the cursor
         taken = machine.fire(old, "adopt", adopter=adopter)
         assert taken, "the scheduler and the adopt guard apply one rule"
         adopter.plan = Plan("Adopted", None, old.cursor, adopted=old.id)
@@ -133,6 +135,7 @@ class Exits:
 
     def release(self, live: Live) -> None:
         """Give back a lane and its captures, publishing nothing."""
+        live.drop_pending()
         for held in live.captures:
             self.runner.release_held(held)
         live.captures.clear()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -17,9 +17,21 @@ if TYPE_CHECKING:
 
 
 @dataclass(eq=False)
+class Pending:
+    """A prefill chunk's forward run in parts (`Model.forward_steps`), a part a step beside
+    decoding lanes: the generator, and the chunk [start, end) with its stops."""
+
+    steps: Generator[None, None, tuple]
+    start: int
+    end: int
+    stops: list[int]
+
+
+@dataclass(eq=False)
 class Live:
     """A request holding a lane: its storage, its captured checkpoints, how it drafts and
-    chooses tokens, and the round it drafted this step (until the step's verify)."""
+    chooses tokens, the round it drafted this step (until the step's verify), and a prefill
+    forward it has begun and not finished (`pending`)."""
 
     request: Request
     lane: Lane
@@ -28,6 +40,14 @@ class Live:
     captures: list[Held] = field(default_factory=list)
     round: DraftedRound | None = None
     ngrams: NgramIndex = field(default_factory=NgramIndex)   # n-gram drafting's lookup
+    pending: Pending | None = None
+
+    def drop_pending(self) -> None:
+        """Leave an unfinished forward: the lane's slot was never written by it, so the
+        lane stays at its cursor (the KV it wrote lies past it)."""
+        if self.pending is not None:
+            self.pending.steps.close()
+            self.pending = None
 
 
 # Reserve blocks for a lane's next work (attention KV up to, MTP KV up to); False when the

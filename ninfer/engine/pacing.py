@@ -1,7 +1,11 @@
 """Prefill paced beside decoding lanes: while any lane decodes, a long prompt's prefill chunk
 is sized from measured step times so that a decoding client's gap between tokens (one
-decode step, plus the prefill chunk run in the same step) stays within `gap` decode steps.
-(A prompt of one chunk goes in whole: one longer gap, once.)
+decode step, plus the prefill work run in the same step) stays within `gap` decode steps.
+(A prompt of one chunk goes in whole: one longer gap, once.) Since stop 47 a paced chunk's
+forward runs in parts (`Model.forward_steps`: a layer each on the GPU or the CPU), one a
+step, and each of those steps counts as one of a chunk of that size: the size settles where
+a part's time meets the target, so a forward's fixed host cost (~20-75 ms of launches on a
+GPU, whatever its length) is spread over the decode steps instead of landing in one gap.
 
 The chunk whose time meets the target is found by proportion: the next size is the last one
 scaled by the target over the last chunk's time (a chunk's time grows with its length, so

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from ..lifecycle import events as ev
 from ..lifecycle.facts import CheckpointFacts
 from ..lifecycle.request import Request
-from .live import Live, Reserve, stop_reason
+from .live import Live, Pending, Reserve, stop_reason
 from .rounds import logprobs
 from .runner import Held, Runner
 
@@ -44,27 +44,48 @@ class Prefill:
         self.reserve, self.free_slot = reserve, free_slot
         self.checkpoint_id, self.facts = checkpoint_id, facts
 
-    def step(self, live: Live, limit: int | None = None) -> Prefilled | None:
+    def step(self, live: Live, limit: int | None = None,
+             parts: bool = False) -> Prefilled | None:
         """One chunk (of at most `limit` tokens, when given); `Prefilled` when the target is
         reached, else None (a detached prefill stops at its goal, samples nothing and is
-        never `Prefilled`)."""
+        never `Prefilled`). `parts`: launch one part of the chunk's forward (beside decoding
+        lanes, whose steps then come between the parts), keeping the rest in
+        `live.pending` for the next calls; a call with a forward pending goes on with it
+        (without `parts`, to its end)."""
         request, lane, runner = live.request, live.lane, self.runner
         seq = request.so_far
-        start = request.cursor
-        end = min(start + min(self.chunk, limit or self.chunk), request.prefill_goal)
-        stops = [p for p in self.checkpoint_positions(request) if start < p < end]
-        if stops and end - start > runner.model.keeps_states_up_to:
-            end, stops = stops[0], []  # a forward per piece, captured at its end
-        if not self.reserve(live, end, end if runner.mtp else 0):
-            return None
-        if runner.mtp:  # the MTP layer catches up on the chunk the main model committed
-            runner.mtp_catch_up(lane, seq, start)
-            for held in live.captures:
-                runner.extend(held, lane)
         greedy: Any = None
         logits: Any = None
+        if live.pending is not None:
+            pending = live.pending
+            start, end, stops = pending.start, pending.end, pending.stops
+            done = _advance(pending.steps, parts)
+            if done is None:
+                return None
+            live.pending = None
+            greedy, logits, kept = done
+        else:
+            start = request.cursor
+            end = min(start + min(self.chunk, limit or self.chunk), request.prefill_goal)
+            stops = [p for p in self.checkpoint_positions(request) if start < p < end]
+            if stops and end - start > runner.model.keeps_states_up_to:
+                end, stops = stops[0], []  # a forward per piece, captured at its end
+            if not self.reserve(live, end, end if runner.mtp else 0):
+                return None
+            if runner.mtp:  # the MTP layer catches up on the chunk the main model committed
+                runner.mtp_catch_up(lane, seq, start)
+                for held in live.captures:
+                    runner.extend(held, lane)
+            if end > start and not parts:
+                greedy, logits, kept = runner.prefill(lane, seq, start, end, stops)
+            elif end > start:
+                steps = runner.prefill_steps(lane, seq, start, end, stops)
+                done = _advance(steps, True)
+                if done is None:
+                    live.pending = Pending(steps, start, end, stops)
+                    return None
+                greedy, logits, kept = done
         if end > start:
-            greedy, logits, kept = runner.prefill(lane, seq, start, end, stops)
             for stop in stops:  # captured from the states the one forward kept there
                 request.cursor = stop
                 request.emit(ev.PrefillAdvanced, cursor=stop)
@@ -133,3 +154,15 @@ class Prefill:
             if held not in keep:
                 live.captures.remove(held)
                 self.runner.release_held(held)
+
+
+def _advance(steps, one_part: bool) -> tuple | None:
+    """Run a part of a forward in parts (`one_part`) or the rest of it: what it returned
+    when it ended, None while parts are left."""
+    try:
+        next(steps)
+        while not one_part:
+            next(steps)
+    except StopIteration as done:
+        return done.value
+    return None

@@ -217,6 +217,19 @@ class Runner:
         state there as `capture` takes it."""
         out = self.model.forward(lane, seq[start:end], start, per_position=bool(stops),
                                  reads=[p - start - 1 for p in stops])
+        return self._prefilled(lane, start, stops, out)
+
+    def prefill_steps(self, lane: Lane, seq: Sequence[int], start: int, end: int,
+                      stops: Sequence[int] = ()):
+        """`prefill` in the model's parts (`Model.forward_steps`); the lane's state is
+        accepted after the last."""
+        out = yield from self.model.forward_steps(lane, seq[start:end], start,
+                                                  per_position=bool(stops),
+                                                  reads=[p - start - 1 for p in stops])
+        return self._prefilled(lane, start, stops, out)
+
+    def _prefilled(self, lane: Lane, start: int, stops: Sequence[int], out
+                   ) -> tuple[int, object, dict[int, tuple]]:
         lane.fence = self.model.fence()
         last_hidden = out.hidden[-1] if self.mtp else None
         self.model.accept(lane, out.states[-1], last_hidden)

@@ -9,6 +9,7 @@ rollback: positions past the committed frontier are rewritten before they are re
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -25,6 +26,7 @@ from .fileformat import LoadError  # one error for every refusal at load
 from .gdn import GatedDeltaNet, GDNState
 from .layers import MLP, RMSNorm, SparseMoE, rope_cos_sin
 from .mtp import MTPHead, MTPOutput
+from .protocol import run_through
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,15 @@ class HybridModel(nn.Module):
                 all_states: bool = False, logits: bool = True,
                 embedded: tuple[Tensor, tuple[Tensor, Tensor]] | None = None,
                 greedy: Tensor | None = None, last_logits: bool = False) -> ForwardOutput:
+        """`forward_steps` run through (see there for the arguments)."""
+        return run_through(self.forward_steps(input_ids, positions, state, all_states, logits,
+                                              embedded, greedy, last_logits))
+
+    def forward_steps(self, input_ids: Tensor, positions: Tensor, state: HybridState,
+                      all_states: bool = False, logits: bool = True,
+                      embedded: tuple[Tensor, tuple[Tensor, Tensor]] | None = None,
+                      greedy: Tensor | None = None, last_logits: bool = False
+                      ) -> Generator[None, None, ForwardOutput]:
         """Feed input_ids [B, T] at positions [B, T] (row b: P_b, P_b+1, ..., P_b+T-1)
         continuing from `state`, the state at P_b of each row. Prefill (any T, any P),
         decode (T=1) and verification (T=k+1, `all_states=True` for per-position GDN states
@@ -183,6 +194,7 @@ class HybridModel(nn.Module):
             h, s = layer(h, positions, cos_sin, state.kv, i, state.gdn.get(i), all_states)
             if s is not None:
                 new_gdn[i] = s
+            yield   # a layer's work launched: the caller may launch other work before the next
         skinny = skinny_for(h) if logits else None
         if skinny is not None:  # the final norm inside the head's GEMM, which writes it out
             norm = self.model.norm

@@ -8,9 +8,9 @@ import it."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 
 class MissingStatePart(RuntimeError):
@@ -103,6 +103,17 @@ class HeldStorage(Protocol):
 # One forward's input: the lane, the tokens fed, the position of the first.
 ForwardItem = tuple[Lane, Sequence[int], int]
 
+T = TypeVar("T")
+
+
+def run_through(steps: Generator[None, None, T]) -> T:
+    """What a forward in parts (`Model.forward_steps`) returns, every part run now."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
 
 @runtime_checkable
 class Model(Protocol):
@@ -140,6 +151,15 @@ class Model(Protocol):
         on the GPU is a CUDA graph that keeps four), and picking another raises
         `MissingStatePart`. With `reads`, as for a prefill, only the last position's greedy
         token and logits need be made."""
+
+    def forward_steps(self, lane: Lane, tokens: Sequence[int], start: int,
+                      per_position: bool = False, reads: Sequence[int] | None = None
+                      ) -> Generator[None, None, Forward]:
+        """`forward` in parts: each `next` launches a part (a few of the model's layers), and
+        the last returns the `Forward` (`run_through` runs them all). Between two parts the
+        caller may run other lanes' forwards. Until `accept`, the lane's slot is as it was,
+        so a forward left unfinished (closed, or dropped) leaves the lane where it was, with
+        KV written only at positions from `start` on. A model may run it in one part."""
 
     def forward_batch(self, items: Sequence[ForwardItem], per_position: bool = True,
                       ahead: bool = False, outputs: bool = True) -> list[Forward]:

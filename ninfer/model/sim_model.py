@@ -25,6 +25,7 @@ MASK = (1 << 61) - 1
 CONV = 4
 KEEPS_STATES_UP_TO = 32  # as TorchModel: the engine takes the same decisions
 KV_TAG, OUT_TAG, MTP_TAG, NOISE_TAG = 11, 13, 17, 19
+JUNK = 23  # what a forward left after its first part wrote (`forward_steps`)
 
 
 def mix(a: int, b: int) -> int:
@@ -134,6 +135,17 @@ class SimModel:
             return Forward([None] * (len(tokens) - 1) + out.greedy[-1:], out.hidden,
                            KeptOnly(out.states, {*reads, len(tokens) - 1}), out.logits)
         return out
+
+    def forward_steps(self, lane: Lane, tokens: Sequence[int], start: int,
+                      per_position: bool = False, reads: Sequence[int] | None = None):
+        """Two parts, as a model of layers has several: the first writes junk KV at the
+        positions fed (a model's first layers write theirs before the last layers run),
+        the second is the forward. A forward left after its first part leaves that junk
+        past the lane's frontier, which nothing may read."""
+        for i in range(len(tokens)):
+            self._write(lane.attn_blocks, start + i, mix(KV_TAG, JUNK))
+        yield
+        return self.forward(lane, tokens, start, per_position, reads)
 
     def forward_batch(self, items: Sequence[ForwardItem], per_position: bool = True,
                       ahead: bool = False, outputs: bool = True) -> list[Forward]:

@@ -288,6 +288,12 @@ class ShardedModel:
         # the ranks keep every position's state (no graphs): `reads` narrows nothing
         return self.forward_batch([(lane, tokens, start)], per_position)[0]
 
+    def forward_steps(self, lane: Lane, tokens: Sequence[int], start: int,
+                      per_position: bool = False, reads: Sequence[int] | None = None):
+        """One part: the ranks run a forward as one call."""
+        return self.forward(lane, tokens, start, per_position, reads)
+        yield  # (a generator)
+
     def forward_batch(self, items, per_position: bool = True, ahead: bool = False,
                       outputs: bool = True) -> list[Forward]:
         wire_items = [(LaneIds.of(lane), list(tokens), start) for lane, tokens, start in items]

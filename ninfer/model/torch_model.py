@@ -22,7 +22,7 @@ from . import chunk_attention
 from .attention import ContiguousKV
 from .gdn import GDNState, SlotGDNState, state_dtype
 from .hybrid import HybridModel, HybridState
-from .protocol import Forward, Lane, MissingStatePart, MtpOut, Parts
+from .protocol import Forward, Lane, MissingStatePart, MtpOut, Parts, run_through
 
 VERIFY_STATES_UP_TO = 32   # longest forward whose per-position GDN states are kept
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -143,6 +143,16 @@ class _InPlace(Sequence):
     def __getitem__(self, i: int) -> _InPlace:
         range(1)[i]  # 0 and -1 only
         return self
+
+
+def _forwards(out, n: int, keep: bool, last: bool) -> list[Forward]:
+    """Each row's `Forward` of a batched network forward of n tokens a row."""
+    greedy = out.logits.argmax(-1).tolist()  # [B][T], or [B][1] for the last only
+    # hidden: the row's [T, hidden], not a list of T views (a 2K-token prefill spent ~4 ms
+    # of host time making them)
+    return [Forward([None] * (n - 1) + greedy[row] if last else greedy[row], out.hidden[row],
+                    _States(out, row, n, keep), out.logits[row])
+            for row in range(len(greedy))]
 
 
 def _copy_all(dsts: list[Tensor], srcs: list[Tensor]) -> None:
@@ -302,19 +312,39 @@ class TorchModel:
                 out = self.verify_graphs.run(lanes, [list(items[m][1]) for m in members],
                                              starts)
             else:
-                ids = torch.tensor([list(items[m][1]) for m in members], device=self.device)
-                positions = (torch.tensor(starts, device=self.device)[:, None]
-                             + torch.arange(n, device=self.device))  # [B, T]
-                state = self._state([lane.slot for lane in lanes],
-                                    [lane.attn_blocks for lane in lanes], length=max(starts) + n)
-                out = self.net.forward(ids, positions, state, all_states=keep, last_logits=last)
-            greedy = out.logits.argmax(-1).tolist()  # [B][T], or [B][1] for the last only
-            for row, m in enumerate(members):  # hidden: the row's [T, hidden], not a list
-                # of T views (a 2K-token prefill spent ~4 ms of host time making them)
-                results[m] = Forward([None] * (n - 1) + greedy[row] if last else greedy[row],
-                                     out.hidden[row], _States(out, row, n, keep),
-                                     out.logits[row])
+                out = run_through(self._eager(lanes, [items[m][1] for m in members], starts,
+                                              keep, last))
+            for m, forward in zip(members, _forwards(out, n, keep, last), strict=True):
+                results[m] = forward
         return results
+
+    def _eager(self, lanes: Sequence[Lane], token_lists: Sequence[Sequence[int]],
+               starts: Sequence[int], keep: bool, last: bool):
+        """The network's forward over the lanes' storage, in parts (a layer each)."""
+        n = len(token_lists[0])
+        ids = torch.tensor([list(tokens) for tokens in token_lists], device=self.device)
+        positions = (torch.tensor(starts, device=self.device)[:, None]
+                     + torch.arange(n, device=self.device))  # [B, T]
+        state = self._state([lane.slot for lane in lanes], [lane.attn_blocks for lane in lanes],
+                            length=max(starts) + n)
+        return (yield from self.net.forward_steps(ids, positions, state, all_states=keep,
+                                                  last_logits=last))
+
+    @torch.inference_mode()
+    def forward_steps(self, lane: Lane, tokens: Sequence[int], start: int,
+                      per_position: bool = False, reads: Sequence[int] | None = None):
+        """`forward`, a layer a part where it is a prefill chunk run eagerly (more tokens
+        than a turn graph takes): between two layers the engine may replay other lanes'
+        decode steps. Any other forward is one part."""
+        n = len(tokens)
+        if per_position or n <= 1 or (self.turn_graphs is not None and self.turn_graphs.fits(
+                [lane], n, start, reads)):
+            return self.forward(lane, tokens, start, per_position, reads)
+        if self.graphs is not None:
+            self.graphs.drop_ahead()  # as `forward_batch`: this forward writes its lane
+        self._launched += 1
+        out = yield from self._eager([lane], [tokens], [start], False, True)
+        return _forwards(out, n, False, True)[0]
 
     def accept(self, lane: Lane, state, hidden=None) -> None:
         if isinstance(state, _InPlace):  # a graph replay updated the slot already

@@ -287,9 +287,10 @@ PACED_FROM_GPU = 2048
 
 def _paced_from(args: argparse.Namespace, chunk: int) -> int:
     """On a GPU, a prompt beside decoding lanes is paced from 2,048 tokens, in chunks of
-    2,048 (a forward costs ~20 ms of host time at any length there: a smaller chunk only
-    slows the prefill, while the whole 8,192 stalled a stream 54 ms on an H100); on the CPU
-    (0) the pacing sizes chunks from 16 tokens up, for prompts of over one chunk."""
+    2,048 and up (a forward costs ~20-75 ms of host time at any length there: a smaller chunk
+    only slows the prefill; since stop 47 a paced chunk's forward runs a layer a step,
+    `Model.forward_steps`, so that time is spread over the decode steps); on the CPU (0)
+    the pacing sizes chunks from 16 tokens up, for prompts of over one chunk."""
     return min(PACED_FROM_GPU, chunk) if _on_gpu(args.device) else 0
 
 

@@ -3,6 +3,7 @@ the clients are. Drawn first from the run's one `random.Random`, so a seed names
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -47,17 +48,24 @@ class Scenario:
                               journal_tokens=rng.random() < 0.75, check_reuse=True)
         rates = FaultRates(evict=rng.uniform(0.0, 0.05), slow=rng.uniform(0.005, 0.03),
                            crash=rng.uniform(0.001, 0.008), restart=rng.uniform(0.001, 0.006))
-        return cls(config, positions // block_size, block_size,
-                   num_slots=rng.choice((12, 3 * MAX_LANES + 10, 32)), rates=rates,
-                   arrival_rate=rng.uniform(1.0, 6.0), max_clients=rng.randint(2, 8),
-                   cut=rng.uniform(0.1, 0.45), burst=rng.uniform(0.05, 0.3))
+        rest = {"num_slots": rng.choice((12, 3 * MAX_LANES + 10, 32)), "rates": rates,
+                "arrival_rate": rng.uniform(1.0, 6.0), "max_clients": rng.randint(2, 8),
+                "cut": rng.uniform(0.1, 0.45), "burst": rng.uniform(0.05, 0.3)}
+        # long prompts paced beside decoding lanes, their forwards in parts (cut, preempted,
+        # adopted between parts), in half the scenarios: drawn from a generator of its own,
+        # seeded from the scenario's (without drawing from it), so that every draw of the
+        # simulation stays each seed's
+        own = random.Random(hash(rng.getstate()[1]))
+        config = dataclasses.replace(config, decode_gap=own.choice((0.0, 3.0)))
+        return cls(config, positions // block_size, block_size, **rest)
 
     def describe(self) -> str:
         c = self.config
         return (f"spec={c.spec} max_concurrency={c.max_concurrency} "
                 f"prefill_chunk={c.prefill_chunk} draft_tokens={c.draft_tokens} "
                 f"max_endpoints={c.max_endpoints} auto_anchors={c.auto_anchors} "
-                f"max_context={c.max_context} journal_tokens={c.journal_tokens}; pools "
+                f"max_context={c.max_context} journal_tokens={c.journal_tokens} "
+                f"decode_gap={c.decode_gap}; pools "
                 f"{self.num_blocks} blocks of {self.block_size}, {self.num_slots} slots")
 
 

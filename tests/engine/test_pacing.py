@@ -184,3 +184,69 @@ def test_a_slow_step_names_the_device_memory_it_allocated(caplog):
     assert first.endswith("; device memory: 2 segments allocated, 1 allocations retried "
                           "after freeing the cache")
     assert "device memory" not in second
+
+
+def _beside_a_decoder(decode_gap: float, cut_after: int | None = None):
+    """A 120-token prompt (prefill chunk 64, so paced) beside a decoding lane, in a harness
+    that checks every invariant; with `cut_after`, the prompt is cancelled once that many
+    of its forward's parts ran. The harness, the prompt's id, and each step's (decoder
+    commits, prompt's forward pending)."""
+    from ninfer.sim.harness import Harness
+    h = Harness(EngineConfig(max_concurrency=2, prefill_chunk=64, max_context=512,
+                             decode_gap=decode_gap), num_blocks=256)
+    if h.engine.pacing is not None:
+        h.engine.pacing.clock = lambda: 0.0   # chunks stay at 16 tokens a step
+    decoder = h.submit(tuple(range(10, 20)), "d", max_tokens=300)
+    h.step(3)
+    long = h.submit(tuple(i % 90 + 3 for i in range(120)), "s", max_tokens=3)
+    trace, parts = [], 0
+    for _ in range(200):
+        before = len(h.request(decoder).outputs)
+        h.step()
+        live = h.engine.live.get(long)
+        pending = live is not None and live.pending is not None
+        parts += pending
+        trace.append((len(h.request(decoder).outputs) - before, pending))
+        if cut_after is not None and parts >= cut_after:
+            h.engine.cancel(long)
+            h.step()
+            break
+        if h.request(long).state not in ("Queued", "Prefilling"):
+            break
+    return h, long, trace
+
+
+def test_a_paced_chunks_forward_runs_in_parts_with_the_decoder_stepping_between():
+    """Beside a decoding lane a long prompt's chunk is a forward in parts (SimModel's two):
+    a step ends with the forward pending, the decoder commits a token in it, and the next
+    step finishes the chunk; the prompt's tokens are those of an unpaced run."""
+    h, long, trace = _beside_a_decoder(3.0)
+    pending_steps = [commits for commits, pending in trace if pending]
+    assert len(pending_steps) >= 7   # 120 tokens in chunks of 16: one part pending each
+    assert all(commits == 1 for commits in pending_steps)
+    h.run()
+    h.check()
+    unpaced, long_unpaced, _ = _beside_a_decoder(0.0)
+    assert not any(pending for _, pending in _)
+    unpaced.run()
+    assert h.request(long).outputs == unpaced.request(long_unpaced).outputs
+
+
+def test_a_prompt_cut_between_its_forwards_parts_publishes_only_what_was_accepted():
+    """Cancelled while a chunk's forward is pending: the forward is dropped, what the prompt
+    publishes is at or before its cursor (the slot was never written by the dropped part),
+    and the same prompt sent again answers as it does on a fresh engine."""
+    h, long, _ = _beside_a_decoder(3.0, cut_after=3)
+    request = h.request(long)
+    assert request.state == "Cancelled" and 0 < request.cursor < 120
+    assert long not in h.engine.live
+    published = [e for e in h.journal.read() if e.kind == "EndpointPublished"
+                 and e.request == long]
+    assert [e.endpoint.position for e in published] == [request.cursor]
+    again = h.submit(tuple(i % 90 + 3 for i in range(120)), "s", max_tokens=3)
+    h.run()
+    h.check()
+    assert h.request(again).plan.reuse_base == request.cursor   # (JUNK past it unread)
+    fresh, fresh_long, _ = _beside_a_decoder(0.0)
+    fresh.run()
+    assert h.request(again).outputs == fresh.request(fresh_long).outputs

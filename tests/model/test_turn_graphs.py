@@ -128,3 +128,45 @@ def test_a_prompts_short_last_piece_replays_a_turn_graph(n, replayed):
     spy.replayed.clear()
     model.forward(lane, [1] * n, 20)   # reads not said: any state may be read
     assert spy.replayed == []
+
+
+def test_a_prefill_chunk_in_parts_is_the_forward_and_leaves_the_slot_until_accept():
+    """`forward_steps` of an eager prefill chunk: a part a layer, the same greedy token,
+    logits and state as `forward`; the slot is not written until `accept`, so a forward
+    closed after a few parts leaves the lane where it was."""
+    model = _model()
+    lane = Lane(slot=1, attn_blocks=[5, 6, 7, 8])
+    model.init_slot(lane)
+    tokens = list(range(3, 43))   # 40 tokens: past a turn graph's, an eager chunk
+    slot = [t.clone() for d in (model.conv, model.recurrent) for t in d.values()]
+    whole = model.forward(lane, tokens, 0)
+    steps = model.forward_steps(lane, tokens, 0)
+    parts = 0
+    while True:
+        try:
+            next(steps)
+            parts += 1
+        except StopIteration as done:
+            out = done.value
+            break
+    assert parts == model.net.config.num_hidden_layers
+    assert out.greedy[-1] == whole.greedy[-1] and out.greedy[:-1] == [None] * 39
+    torch.testing.assert_close(out.logits, whole.logits, rtol=0, atol=0)
+    unchanged = [t for d in (model.conv, model.recurrent) for t in d.values()]
+    assert all(torch.equal(a, b) for a, b in zip(slot, unchanged, strict=True))
+    cut = model.forward_steps(lane, tokens, 0)
+    next(cut), next(cut)
+    cut.close()
+    assert all(torch.equal(a, b) for a, b in zip(
+        slot, [t for d in (model.conv, model.recurrent) for t in d.values()], strict=True))
+    model.accept(lane, out.states[-1])
+    other = Lane(slot=2, attn_blocks=[5, 6, 7, 8])
+    model.init_slot(other)
+    model.accept(other, whole.states[-1])
+    assert model.parts_match(model.read_parts(lane, 40, 0), model.read_parts(other, 40, 0)) \
+        is None
+    # a per-position forward (a verify, a piece with stops kept) and one token are one part
+    for per_position, n in ((True, 20), (False, 1)):
+        steps = model.forward_steps(lane, tokens[:n], 40, per_position)
+        with pytest.raises(StopIteration):
+            next(steps)

@@ -19,12 +19,12 @@ def broken_prefill(live, monkeypatch):
     marker = live.server.tokenizer.encode(" BREAK")
     original = engine._prefill_step
 
-    def prefill(lane_live, limit=None):
+    def prefill(lane_live, limit=None, parts=False):
         prompt = lane_live.request.prompt
         n = len(marker)
         if any(tuple(prompt[i:i + n]) == tuple(marker) for i in range(len(prompt) - n + 1)):
             raise KeyError("injected: a state part is missing")
-        return original(lane_live, limit)
+        return original(lane_live, limit, parts)
 
     monkeypatch.setattr(engine, "_prefill_step", prefill)
 

@@ -25,7 +25,8 @@ from ninfer.lifecycle.store import InvariantViolation
 from ninfer.sim import SimulationFailed, run_simulation
 from ninfer.tools.scan import check
 
-SEEDS = tuple(range(20))   # CI's fixed list
+# CI's fixed list; 47 meets a context limit (11 did, until half the scenarios were paced)
+SEEDS = (*range(20), 47)
 STEPS = 400
 REAL = salvage.materializable
 INJECTED = ("disconnect_event", "disconnect_retry", "disconnect_draft", "deadline",
