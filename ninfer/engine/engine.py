@@ -156,7 +156,7 @@ class Engine:
             x.request.state == "Active" for x in self.live.values())
         if self.pacing is not None:
             self.pacing.begin()
-        prefilled, unpaced = 0, False
+        prefilled, unpaced, chunk_done = 0, False, True
         cursors = {x.request.id: x.request.cursor for x in self.live.values()
                    if x.request.state in ("Prefilling", "Detached")} \
             if self.config.slow_step_s is not None else {}   # (the slow-step log's)
@@ -178,6 +178,7 @@ class Engine:
                     pending = live.pending
                     prefilled += pending.end - pending.start if pending is not None \
                         else max(live.request.cursor - cursor, 0)
+                    chunk_done = pending is None
                 else:
                     unpaced = True
             elif live.request.state == "Active":
@@ -190,7 +191,7 @@ class Engine:
         advanced = {rid: self.requests[rid].cursor - c for rid, c in cursors.items()
                     if rid in self.requests and self.requests[rid].cursor > c}
         if self.pacing is not None and not unpaced:  # a step that says what a chunk costs
-            self.pacing.end(bool(decoding), prefilled)
+            self.pacing.end(bool(decoding), prefilled, chunk_done)
         for live in finishing:  # a turn's state is published once it is complete and fenced
             if self.live.get(live.request.id) is live:
                 trigger = "cancel" if live.request.state == "Detached" else "finish"

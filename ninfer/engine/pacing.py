@@ -32,6 +32,7 @@ class PrefillPacing:
         #                                 prefill alone takes `largest`), grown from below
         self.decode_s: float | None = None  # a decode step's time, running figure
         self._began = 0.0
+        self._slowest = 0.0   # the slowest part so far of the chunk being prefilled
 
     @property
     def target_s(self) -> float | None:
@@ -42,8 +43,12 @@ class PrefillPacing:
     def begin(self) -> None:
         self._began = self.clock()
 
-    def end(self, decoded: bool, prefilled: int) -> None:
-        """The step ran: whether lanes decoded in it, and the prompt tokens it prefilled."""
+    def end(self, decoded: bool, prefilled: int, chunk_done: bool = True) -> None:
+        """The step ran: whether lanes decoded in it, the prompt tokens it prefilled (for a
+        part of a chunk's forward, the chunk's), and whether that chunk's forward is done.
+        A chunk's parts differ (an attention layer over a long context costs more than a
+        GDN layer), so its slowest part is what the size answers for, once the chunk is
+        done."""
         seconds = self.clock() - self._began
         if not decoded:
             return
@@ -52,8 +57,13 @@ class PrefillPacing:
                 (1 - SMOOTHING) * self.decode_s + SMOOTHING * seconds)
             return
         target = self.target_s
-        if target is None or prefilled != self.size:  # a prompt's tail says less
+        if target is None:
             return
-        chunk_s = max(seconds - self.decode_s, 1e-6)
+        self._slowest = max(self._slowest, seconds - self.decode_s)
+        if not chunk_done:
+            return
+        chunk_s, self._slowest = max(self._slowest, 1e-6), 0.0
+        if prefilled != self.size:  # a prompt's tail says less
+            return
         scale = min(max(target / chunk_s, 0.5), 2.0)   # one noisy step moves it little
         self.size = min(max(round(prefilled * scale), self.smallest), self.largest)

@@ -95,10 +95,10 @@ class Clock:
 
 
 def _step(pacing: PrefillPacing, clock: Clock, seconds: float, decoded: bool,
-          prefilled: int) -> None:
+          prefilled: int, chunk_done: bool = True) -> None:
     pacing.begin()
     clock.now += seconds
-    pacing.end(decoded, prefilled)
+    pacing.end(decoded, prefilled, chunk_done)
 
 
 def test_the_chunk_beside_decoding_lanes_settles_where_its_time_meets_the_target():
@@ -116,6 +116,26 @@ def test_the_chunk_beside_decoding_lanes_settles_where_its_time_meets_the_target
     assert pacing.size == size
     _step(pacing, clock, 1.0, False, 512)           # a prefill alone moves nothing either
     assert pacing.size == size
+
+
+def test_a_chunk_in_parts_is_sized_by_its_slowest_part():
+    """A chunk's forward in parts, a part a step: an attention layer over a long context
+    (1 ms + 0.1 ms a token) beside cheaper GDN layers (1 ms + 0.02 ms a token). The size
+    settles where the slowest part meets the target (15 ms: 140 tokens), wherever that
+    part falls in the chunk, not where the chunk's last part does (700)."""
+    for slow_at in (0, 3):
+        clock = Clock()
+        pacing = PrefillPacing(3.0, 1024, smallest=16, clock=clock)
+        _step(pacing, clock, 0.010, True, 0)                       # a decode step: 10 ms
+        for _ in range(40):
+            size = pacing.size
+            for part in range(4):
+                per_token = 0.0001 if part == slow_at else 0.00002
+                _step(pacing, clock, 0.010 + 0.001 + per_token * size, True, size,
+                      chunk_done=part == 3)
+                if part < 3:
+                    assert pacing.size == size   # a chunk's size moves once it is done
+        assert pacing.size == pytest.approx(140, abs=3), slow_at
 
 
 def test_a_gap_of_one_step_or_less_is_refused():
