@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 from ..lifecycle import events as ev
 from ..lifecycle.facts import CheckpointFacts
 from ..lifecycle.request import Request
+from ..model.protocol import run_through
 from .live import Live, Pending, Reserve, stop_reason
 from .rounds import logprobs
 from .runner import Held, Runner
@@ -59,7 +60,7 @@ class Prefill:
         if live.pending is not None:
             pending = live.pending
             start, end, stops = pending.start, pending.end, pending.stops
-            done = _advance(pending.steps, parts)
+            done = _one_part(pending.steps) if parts else run_through(pending.steps)
             if done is None:
                 return None
             live.pending = None
@@ -80,7 +81,7 @@ class Prefill:
                 greedy, logits, kept = runner.prefill(lane, seq, start, end, stops)
             elif end > start:
                 steps = runner.prefill_steps(lane, seq, start, end, stops)
-                done = _advance(steps, True)
+                done = _one_part(steps)
                 if done is None:
                     live.pending = Pending(steps, start, end, stops)
                     return None
@@ -156,13 +157,10 @@ class Prefill:
                 self.runner.release_held(held)
 
 
-def _advance(steps, one_part: bool) -> tuple | None:
-    """Run a part of a forward in parts (`one_part`) or the rest of it: what it returned
-    when it ended, None while parts are left."""
+def _one_part(steps) -> tuple | None:
+    """Run a part of a forward in parts: what it returned if that part ended it, else None."""
     try:
         next(steps)
-        while not one_part:
-            next(steps)
     except StopIteration as done:
         return done.value
     return None

@@ -228,8 +228,10 @@ def _beside_a_decoder(decode_gap: float, cut_after: int | None = None):
         parts += pending
         trace.append((len(h.request(decoder).outputs) - before, pending))
         if cut_after is not None and parts >= cut_after:
+            forward = live.pending.steps
             h.engine.cancel(long)
             h.step()
+            assert forward.gi_frame is None   # closed at once, not left to the collector
             break
         if h.request(long).state not in ("Queued", "Prefilling"):
             break
